@@ -1,0 +1,31 @@
+"""gasloc-lightning: GASLoC decentralized low-communication training as a Lightning strategy.
+
+``import gasloc_lightning`` registers the strategy names ``gasloc``, ``gasloc_spawn``,
+``gasloc_notebook`` (fork, for notebooks) and the same three for ``diloco``, so that
+``Trainer(strategy="gasloc")`` works.
+"""
+
+from gasloc_lightning.callback import GASLoCCallback
+from gasloc_lightning.diloco import DiLoCoStrategy
+from gasloc_lightning.outer import OuterState
+from gasloc_lightning.registry import register_strategies
+from gasloc_lightning.strategy import GASLoCStrategy, LocalStepsStrategy
+from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
+from gasloc_lightning.transport import GossipTimeoutError
+
+__version__ = "0.1.0"
+
+register_strategies()
+
+__all__ = [
+    "DiLoCoStrategy",
+    "GASLoCCallback",
+    "GASLoCStrategy",
+    "GossipTimeoutError",
+    "LocalStepsStrategy",
+    "OuterState",
+    "TOPOLOGIES",
+    "Topology",
+    "build_topology",
+    "register_strategies",
+]

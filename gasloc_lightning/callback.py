@@ -1,0 +1,150 @@
+"""``GASLoCCallback``: what a user sees of the rounds — metrics, consensus evaluation, end-of-fit consensus.
+
+The strategy adds one automatically (before any checkpoint callback); pass your own to change
+its options. Every hook that communicates is reached by every rank at the same point of the
+loop, so the collectives stay in the same order on all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from gasloc_lightning.strategy import LocalStepsStrategy
+
+log = logging.getLogger(__name__)
+
+
+class GASLoCCallback(Callback):
+    """Logs round metrics, evaluates the consensus model and averages the replicas at the end of fit.
+
+    Metrics (through the Lightning logger): ``comm/round``, ``comm/bytes_sent``,
+    ``comm/bytes_received`` (this worker, counted at the transport) and, every
+    ``consensus_every`` rounds, ``comm/consensus_distance`` (mean squared distance of the
+    replicas to their average, measured by all ranks together).
+
+    Args:
+        evaluate: ``"consensus"`` evaluates the average of the replicas (validation and test);
+            ``"local"`` evaluates each rank's own replica.
+        local_loss_name: with ``evaluate="consensus"`` and a LightningModule that defines
+            ``compute_loss(batch) -> Tensor``, the mean over workers of each replica's own
+            validation loss is logged under this name (``None`` disables it).
+        average_at_end: at the end of fit, run a final round if steps are pending, then replace
+            every replica by the consensus model (so rank 0's weights, which the spawn launcher
+            returns, are the consensus).
+    """
+
+    def __init__(
+        self,
+        evaluate: Literal["consensus", "local"] = "consensus",
+        local_loss_name: str | None = "val/loss_local",
+        average_at_end: bool = True,
+    ) -> None:
+        if evaluate not in ("consensus", "local"):
+            raise ValueError(f"evaluate must be 'consensus' or 'local', got {evaluate!r}")
+        self.evaluate = evaluate
+        self.local_loss_name = local_loss_name
+        self.average_at_end = average_at_end
+        self._local_loss_sum: torch.Tensor | None = None
+        self._local_loss_batches = 0
+        self._logged_round = -1
+
+    @staticmethod
+    def _strategy(trainer: pl.Trainer) -> LocalStepsStrategy | None:
+        strategy = trainer.strategy
+        return strategy if isinstance(strategy, LocalStepsStrategy) else None
+
+    # ------------------------------------------------------------------ training metrics
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is None or strategy.round_index == self._logged_round:
+            return
+        self._logged_round = strategy.round_index
+        metrics = {
+            "comm/round": float(strategy.round_index),
+            "comm/bytes_sent": float(strategy.bytes_sent),
+            "comm/bytes_received": float(strategy.bytes_received),
+        }
+        if strategy.consensus_distance is not None:
+            metrics["comm/consensus_distance"] = strategy.consensus_distance
+        # Values are already per worker or globally reduced: no sync, nothing on the hot path.
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is None:
+            return
+        if strategy.finish_pending_round():
+            log.info("final round run at step %d (max_steps not a multiple of inner_steps)", trainer.global_step)
+        if self.average_at_end:
+            strategy.average_replicas()
+
+    # ------------------------------------------------------------------ evaluation
+    def _swap_in(self, trainer: pl.Trainer) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is not None and self.evaluate == "consensus":
+            strategy.swap_in_consensus()
+        self._local_loss_sum, self._local_loss_batches = None, 0
+
+    def _restore(self, trainer: pl.Trainer) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is not None:
+            strategy.restore_local()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_in(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore(trainer)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_in(trainer)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore(trainer)
+
+    @override
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        strategy = self._strategy(trainer)
+        if not self._tracks_local_loss(strategy, pl_module):
+            return
+        strategy.show_local()
+        with torch.no_grad():
+            loss = pl_module.compute_loss(batch).detach().float()
+        strategy.show_consensus()
+        self._local_loss_sum = loss if self._local_loss_sum is None else self._local_loss_sum + loss
+        self._local_loss_batches += 1
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._local_loss_sum is None or trainer.sanity_checking:
+            return
+        mean = self._local_loss_sum / self._local_loss_batches
+        pl_module.log(self.local_loss_name, mean, on_epoch=True, sync_dist=True)
+
+    def _tracks_local_loss(self, strategy: LocalStepsStrategy | None, pl_module: pl.LightningModule) -> bool:
+        return (
+            strategy is not None
+            and self.evaluate == "consensus"
+            and self.local_loss_name is not None
+            and strategy.consensus_swapped_in
+            and callable(getattr(pl_module, "compute_loss", None))
+        )
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"evaluate": self.evaluate, "average_at_end": self.average_at_end}

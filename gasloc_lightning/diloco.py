@@ -1,0 +1,135 @@
+"""DiLoCo (Douillard et al., arXiv 2311.08105) on the same round machinery as GASLoC.
+
+Every H steps all workers all-reduce their pseudo-gradients Delta_i = theta - thetaH_i, and an
+outer ``torch.optim.SGD(lr=eta, momentum=gamma, nesterov=True)`` steps the shared round-start
+point theta with the mean Delta. It is written independently of GASLoC's gossip form (real
+torch optimizer, pseudo-gradient all-reduce), so the two can check each other: GASLoC on the
+complete graph must follow the same trajectory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from typing_extensions import override
+
+from gasloc_lightning.outer import validate_outer_hyperparameters
+from gasloc_lightning.strategy import LocalStepsStrategy, StartMethod, _register_variants
+
+
+class DiLoCoStrategy(LocalStepsStrategy):
+    """DiLoCo: H local steps, then an all-reduce of pseudo-gradients and an outer Nesterov SGD step.
+
+    On failure: the all-reduce is bounded by the process group's ``collective_timeout``.
+
+    Args:
+        inner_steps: H, optimizer steps per round.
+        outer_lr: eta of the outer SGD (DiLoCo: 0.7).
+        outer_momentum: gamma, Nesterov momentum of the outer SGD (DiLoCo: 0.9); 0 disables momentum.
+        **kwargs: the remaining arguments of :class:`~gasloc_lightning.strategy.LocalStepsStrategy`.
+    """
+
+    strategy_name = "diloco"
+
+    def __init__(
+        self,
+        *,
+        inner_steps: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        gossip_timeout: float = 300.0,
+        collective_timeout: float | None = None,
+        consensus_every: int = 10,
+        bucket_cap_mb: float = 64.0,
+        cpu_threads: int | Literal["auto"] | None = "auto",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
+        super().__init__(
+            inner_steps=inner_steps,
+            gossip_timeout=gossip_timeout,
+            collective_timeout=collective_timeout,
+            consensus_every=consensus_every,
+            bucket_cap_mb=bucket_cap_mb,
+            cpu_threads=cpu_threads,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        self._outer_lr = float(outer_lr)
+        self._outer_momentum = float(outer_momentum)
+        self._round_start: nn.Parameter | None = None
+        self._outer_optimizer: torch.optim.SGD | None = None
+
+    @property
+    def outer_lr(self) -> float:
+        return self._outer_lr
+
+    @property
+    def outer_momentum(self) -> float:
+        return self._outer_momentum
+
+    @override
+    def _init_outer_state(self) -> None:
+        params, _ = self.layout.split(self.layout.gather(self._work))
+        self._round_start = nn.Parameter(params.clone())
+        momentum = self._outer_momentum
+        self._outer_optimizer = torch.optim.SGD(
+            [self._round_start], lr=self._outer_lr, momentum=momentum, nesterov=momentum > 0
+        )
+
+    @override
+    @torch.no_grad()
+    def _communicate(self) -> None:
+        assert self._round_start is not None and self._transport is not None
+        message = self.layout.gather(self._work)  # thetaH | buffers
+        params, buffers = self.layout.split(message)
+        torch.sub(self._round_start, params, out=params)  # pseudo-gradient Delta_i
+        if self.world_size > 1:
+            self._transport.all_reduce_mean(message)  # mean Delta | mean buffers
+        self._round_start.grad = params
+        self._outer_optimizer.step()
+        self._round_start.grad = None
+        self.layout.scatter_parameters(self._round_start)
+        self.layout.scatter_buffers(buffers)
+
+    @override
+    def _on_replicas_averaged(self) -> None:
+        if self._round_start is not None:
+            params, _ = self.layout.split(self.layout.gather(self._work))
+            self._round_start.data.copy_(params)
+
+    @override
+    def strategy_state_dict(self) -> dict[str, Any]:
+        state = super().strategy_state_dict()
+        if self._round_start is not None:
+            state["outer"] = {
+                "round_start": self._round_start.detach().clone(),
+                "optimizer": self._outer_optimizer.state_dict(),
+            }
+        return state
+
+    @override
+    def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state_dict(state)
+        if self._round_start is not None and state.get("outer") is not None:
+            self._round_start.data.copy_(state["outer"]["round_start"])
+            self._outer_optimizer.load_state_dict(state["outer"]["optimizer"])
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        _register_variants(strategy_registry, cls, "diloco", "DiLoCo (local steps + all-reduced outer Nesterov)")

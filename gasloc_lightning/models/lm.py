@@ -1,0 +1,194 @@
+"""The LightningModule each GASLoC worker trains: next-byte prediction with a GPT.
+
+It is a plain automatic-optimization module: the inner optimizer and its schedule live here,
+and the GASLoC strategy (local steps, gossip, outer momentum) wraps the optimizer step without
+this module knowing about it. Nothing here talks to torch.distributed; validation metrics are
+torchmetrics objects, which synchronise across ranks themselves when logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+
+from gasloc_lightning.models.gpt import GPT, PRESETS, GPTConfig
+
+OptimizerFactory = Callable[[Iterable[Any]], Optimizer]
+
+
+def warmup_cosine_factor(step: int, *, warmup_steps: int, max_steps: int | None, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier at optimizer step ``step``.
+
+    Linear warmup over ``warmup_steps`` steps, then a cosine decay from 1 to ``min_lr_ratio``
+    reached at ``max_steps`` and held afterwards. With ``max_steps=None`` the rate stays
+    constant after warmup.
+
+    Args:
+        step: number of optimizer steps already taken (0 for the first step).
+        warmup_steps: length of the linear warmup.
+        max_steps: step at which the decay ends, or None for no decay.
+        min_lr_ratio: final multiplier of the decay.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if max_steps is None or max_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def default_optimizer(params: Iterable[Any]) -> Optimizer:
+    """AdamW(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1), the inner optimizer by default."""
+    return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def parameter_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Split parameters into a decayed group (matrices of Linear layers) and an undecayed one.
+
+    Biases, LayerNorm weights and embeddings (hence the tied output head) get no weight decay.
+    The decayed group leaves ``weight_decay`` unset so the optimizer's own value applies.
+
+    Args:
+        model: the module whose parameters to group; tied parameters appear once.
+    """
+    no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.LayerNorm))}
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.dim() >= 2 and id(parameter) not in no_decay_ids:
+            decay.append(parameter)
+        else:
+            no_decay.append(parameter)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _to_config(model: GPTConfig | dict | str) -> GPTConfig:
+    if isinstance(model, GPTConfig):
+        return model
+    if isinstance(model, str):
+        return GPTConfig.preset(model)
+    if isinstance(model, dict) or hasattr(model, "items"):  # a dict or an OmegaConf DictConfig
+        return GPTConfig(**dict(model.items()))
+    raise ValueError(f"model must be a GPTConfig, a dict of its fields or one of {sorted(PRESETS)}, got {model!r}")
+
+
+class LanguageModel(pl.LightningModule):
+    """Next-byte language model: a :class:`GPT` trained with cross-entropy.
+
+    Batches are ``(x, y)`` pairs of (B, T) long tensors with ``y`` shifted one byte ahead.
+
+    Logged metrics:
+        - ``train/loss``: per-step cross-entropy (nats per byte), in the progress bar.
+        - ``train/tokens``: bytes seen by THIS worker since the start of training (restored on
+          resume). The global count is this times the world size, since every worker takes the
+          same number of steps on equally sized batches.
+        - ``val/loss``, ``val/ppl`` and ``test/loss``, ``test/ppl``: token-weighted mean
+          cross-entropy and its exponential, synchronised across ranks.
+
+    Args:
+        model: a :class:`GPTConfig`, a dict of its fields, or a preset name ("tiny", "small",
+            "gpt2_125m").
+        optimizer: builds the inner optimizer from parameter groups (a list of dicts, as torch
+            optimizers accept), e.g. a Hydra ``_partial_: true`` node; None means AdamW(lr=3e-4,
+            betas=(0.9, 0.95), weight_decay=0.1). It is not saved in the checkpoint's
+            hyperparameters (a partial does not serialise): pass it again to
+            ``load_from_checkpoint`` to resume with a custom optimizer.
+        warmup_steps: optimizer steps of linear learning-rate warmup.
+        max_steps: optimizer step at which the cosine decay reaches ``min_lr_ratio``; None takes
+            ``trainer.max_steps``, and if that is -1 (unbounded) the rate is constant after warmup.
+        min_lr_ratio: final learning rate as a fraction of the peak, in [0, 1].
+    """
+
+    def __init__(
+        self,
+        *,
+        model: GPTConfig | dict | str = "tiny",
+        optimizer: OptimizerFactory | None = None,
+        warmup_steps: int = 0,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        config = _to_config(model)
+        if optimizer is not None and not callable(optimizer):
+            raise ValueError(f"optimizer must be a callable returning an Optimizer or None, got {optimizer!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
+        # The config is stored as a plain dict so checkpoints load with weights_only=True.
+        self.save_hyperparameters(
+            {"model": asdict(config), "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio}
+        )
+        self.config = config
+        self.model = GPT(config)
+        self._optimizer_factory = optimizer or default_optimizer
+        self.tokens_seen = 0  # per worker; a plain int so gossip/averaging never touches it
+        self.val_loss, self.val_ppl = MeanMetric(), Perplexity()
+        self.test_loss, self.test_ppl = MeanMetric(), Perplexity()
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """(B, T) token ids -> (B, T, V) logits."""
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch  # (B, T), (B, T)
+        logits = self(x)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.tokens_seen += x.numel()
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        # float64 keeps the count exact far past float32's 2^24.
+        tokens = torch.tensor(float(self.tokens_seen), dtype=torch.float64)
+        self.log("train/tokens", tokens, on_step=True, on_epoch=False, reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.val_loss, self.val_ppl, prefix="val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.test_loss, self.test_ppl, prefix="test")
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], loss_metric: MeanMetric, ppl_metric: Perplexity, prefix: str) -> None:
+        x, y = batch  # (B, T), (B, T)
+        logits = self(x).float()  # (B, T, V); float32 so the metrics do not round in bf16
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss_metric.update(loss, weight=y.numel())  # token-weighted, so exp(loss) == ppl
+        ppl_metric.update(logits, y)
+        # Metric objects sync their states across ranks at compute(); sync_dist is for clarity.
+        self.log(f"{prefix}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True, sync_dist=True)
+        self.log(f"{prefix}/ppl", ppl_metric, on_step=False, on_epoch=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = self._optimizer_factory(parameter_groups(self.model))
+        schedule = functools.partial(
+            warmup_cosine_factor,
+            warmup_steps=self.hparams.warmup_steps,
+            max_steps=self._decay_steps(),
+            min_lr_ratio=self.hparams.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _decay_steps(self) -> int | None:
+        if self.hparams.max_steps is not None:
+            return self.hparams.max_steps
+        trainer_max_steps = self._trainer.max_steps if self._trainer is not None else -1
+        return None if trainer_max_steps == -1 else trainer_max_steps
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))

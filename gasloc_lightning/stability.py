@@ -1,0 +1,396 @@
+"""Consensus stability of the GASLoC outer step (ALGORITHM.md, "Stability check").
+
+With no gradients the inner phase leaves every worker where it started (thetaH = theta, so
+z = theta) and one round of the outer step is a linear map on the stacked state (theta, x) of
+the n workers, driven by the round's mixing matrix W (symmetric, doubly stochastic):
+
+- ``"anchored"`` (the default form)::
+
+      u      = z + gamma (z - x)
+      theta+ = W u
+      x+     = (theta+ + gamma x) / (1 + gamma)     # = z + (theta+ - u) / (1 + gamma)
+
+- ``"post_mix"``::
+
+      x+     = W z
+      theta+ = x+ + gamma (x+ - x)
+
+Mixing never moves the mean over workers, so what matters is the disagreement
+``sqrt(sum_i ||theta_i - mean(theta)||^2)``. Its asymptotic per-round contraction (the
+consensus rate) must be < 1 for the replicas to agree; the strategy refuses a configuration
+whose rate is >= 1.
+
+How the rate is computed:
+
+- fixed W: exactly, one 2x2 mode matrix per eigenvalue lambda of W on the disagreement space
+  (``consensus_rate_fixed``);
+- a periodic schedule of commuting W (the hypercube): exactly, the product of the mode
+  matrices over one period for each common eigenvector (``consensus_rate_periodic``);
+- random schedules: a seeded float64 simulation (``consensus_rate_simulated``).
+
+Everything here is pure float64 math on CPU tensors; no process group is involved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+UpdateForm = Literal["anchored", "post_mix"]
+UPDATE_FORMS: tuple[str, ...] = ("anchored", "post_mix")
+
+# Largest gamma certified (ALGORITHM.md, "Stability check") to keep the consensus
+# disagreement contracting for ANY switching sequence of positive semidefinite doubly
+# stochastic W, i.e. for schedules whose rate we cannot compute exactly (user-supplied
+# time-varying topologies). The strategy warns, once, above it. A quadratic Lyapunov function
+# common to the mode matrices of every lambda in [0, 1] gives such a certificate, because for
+# the stacked map A0 (x) I + A1 (x) W it reduces to a condition per eigenvalue of W.
+SWITCHING_SAFE_MOMENTUM: float = 0.44
+
+# Eigenvalues within this distance of 0 or 1 are treated as exactly 0 or 1 (see
+# consensus_rate_modes); float64 eigensolvers are accurate to a few 1e-16 here.
+_EIGENVALUE_TOL = 1e-12
+_DTYPE = torch.float64
+
+
+def check_form(form: str) -> None:
+    """Raise ``ValueError`` unless ``form`` is one of :data:`UPDATE_FORMS`."""
+    if form not in UPDATE_FORMS:
+        raise ValueError(f"form must be one of {list(UPDATE_FORMS)}, got {form!r}")
+
+
+def check_outer_momentum(outer_momentum: float) -> None:
+    """Raise ``ValueError`` unless the outer momentum gamma lies in [0, 1)."""
+    if not 0.0 <= outer_momentum < 1.0:
+        raise ValueError(f"outer_momentum (gamma) must lie in [0, 1), got {outer_momentum!r}")
+
+
+def mode_matrix(eigenvalue: float, outer_momentum: float, form: UpdateForm = "anchored") -> Tensor:
+    """The 2x2 map of one round on one eigen-mode of a symmetric W.
+
+    Args:
+        eigenvalue: an eigenvalue lambda of the mixing matrix W.
+        outer_momentum: gamma in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+
+    Returns:
+        A (2, 2) float64 tensor M with ``(theta+, x+) = M (theta, x)`` for the mode's
+        coefficients.
+    """
+    check_form(form)
+    return _mode_matrices(torch.tensor([eigenvalue], dtype=_DTYPE), outer_momentum, form)[0]
+
+
+def _mode_matrices(eigenvalues: Tensor, gamma: float, form: str) -> Tensor:
+    lam = eigenvalues.to(_DTYPE)  # (m,)
+    out = torch.zeros(*lam.shape, 2, 2, dtype=_DTYPE)  # (m, 2, 2)
+    out[..., 0, 0] = lam * (1.0 + gamma)
+    out[..., 1, 0] = lam
+    if form == "anchored":
+        out[..., 0, 1] = -gamma * lam
+        out[..., 1, 1] = gamma * (1.0 - lam) / (1.0 + gamma)
+    else:
+        out[..., 0, 1] = -gamma
+    return out
+
+
+def _check_mixing_matrix(matrix: Tensor) -> Tensor:
+    matrix = torch.as_tensor(matrix, dtype=_DTYPE)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"mixing matrix W must be square, got shape {tuple(matrix.shape)}")
+    if not torch.allclose(matrix, matrix.T, atol=1e-10, rtol=0.0):
+        raise ValueError("mixing matrix W must be symmetric (w_ij == w_ji)")
+    if not torch.allclose(matrix.sum(dim=1), torch.ones(len(matrix), dtype=_DTYPE), atol=1e-10, rtol=0.0):
+        raise ValueError("mixing matrix W must be doubly stochastic (rows summing to 1)")
+    return matrix
+
+
+def _disagreement_basis(world_size: int) -> Tensor:
+    """Orthonormal basis (n, n - 1) of the vectors orthogonal to all-ones (a Householder reflection)."""
+    ones = torch.full((world_size,), world_size**-0.5, dtype=_DTYPE)
+    v = ones.clone()
+    v[0] -= 1.0
+    reflection = torch.eye(world_size, dtype=_DTYPE) - 2.0 * torch.outer(v, v) / v.dot(v)
+    return reflection[:, 1:]  # the reflection maps e_0 to all-ones; its other columns span the rest
+
+
+def disagreement_eigenvalues(matrix: Tensor) -> Tensor:
+    """Eigenvalues of a symmetric, doubly stochastic W on the disagreement space.
+
+    The all-ones eigenvector (consensus) is projected out exactly, so a disconnected graph keeps
+    its extra eigenvalues 1.
+
+    Args:
+        matrix: W, shape (n, n).
+
+    Returns:
+        The n - 1 eigenvalues, ascending, float64.
+    """
+    matrix = _check_mixing_matrix(matrix)
+    if len(matrix) == 1:
+        return torch.zeros(0, dtype=_DTYPE)
+    basis = _disagreement_basis(len(matrix))
+    return torch.linalg.eigvalsh(basis.T @ matrix @ basis)
+
+
+def periodic_mode_eigenvalues(matrices: Sequence[Tensor]) -> Tensor:
+    """Per common eigenvector, the eigenvalue of each W_k of a commuting periodic schedule.
+
+    Commuting symmetric matrices share an orthonormal eigenbasis; it is found from a generic
+    linear combination and checked to diagonalize every W_k.
+
+    Args:
+        matrices: W_0, ..., W_{T-1}, each (n, n), symmetric, doubly stochastic, commuting.
+
+    Returns:
+        A (n - 1, T) float64 table: row = a common eigenvector on the disagreement space,
+        column k = its eigenvalue under W_k.
+
+    Raises:
+        ValueError: if the matrices are not a commuting family.
+    """
+    if not matrices:
+        raise ValueError("matrices must hold at least one mixing matrix")
+    checked = [_check_mixing_matrix(m) for m in matrices]
+    n = len(checked[0])
+    if any(m.shape != (n, n) for m in checked):
+        raise ValueError("all mixing matrices of a schedule must have the same shape")
+    if n == 1:
+        return torch.zeros(0, len(checked), dtype=_DTYPE)
+    basis = _disagreement_basis(n)
+    reduced = torch.stack([basis.T @ m @ basis for m in checked])  # (T, n-1, n-1)
+    # Irrational, distinct coefficients keep distinct eigenvalue tuples apart in the combination.
+    coefficients = torch.tensor([math.sqrt(2.0 + k) for k in range(len(checked))], dtype=_DTYPE)
+    _, vectors = torch.linalg.eigh(torch.einsum("t,tij->ij", coefficients, reduced))
+    diagonalized = vectors.T @ reduced @ vectors  # (T, n-1, n-1)
+    table = torch.diagonal(diagonalized, dim1=1, dim2=2)  # (T, n-1)
+    off_diagonal = diagonalized - torch.diag_embed(table)
+    if off_diagonal.abs().max() > 1e-8:
+        raise ValueError("the mixing matrices do not commute; use consensus_rate_simulated instead")
+    return table.T.contiguous()
+
+
+def consensus_rate_modes(
+    mode_eigenvalues: Tensor, outer_momentum: float, form: UpdateForm = "anchored"
+) -> float:
+    """Consensus rate from the eigenvalues each mode sees over one period.
+
+    For each mode the rate is rho(M_{T-1} ... M_0)^(1/T), the spectral radius of the product of
+    its mode matrices over the period. Two cases are set exactly rather than left to rounding:
+
+    - a mode with lambda = 1 in every round never contracts (a disconnected graph): rate 1;
+    - in the anchored form, a mode with lambda = 0 in every round has theta+ = 0 each round, so
+      its theta disagreement is gone after one round (only its hidden anchor x decays): rate 0.
+      This is why the complete graph has rate 0 at any gamma.
+
+    Args:
+        mode_eigenvalues: (modes, T) table, or (modes,) for a fixed W (T = 1).
+        outer_momentum: gamma in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+
+    Returns:
+        The largest per-round rate over the modes; 0.0 when there is no mode (n = 1).
+    """
+    check_form(form)
+    check_outer_momentum(outer_momentum)
+    table = torch.as_tensor(mode_eigenvalues, dtype=_DTYPE)
+    table = table[:, None] if table.ndim == 1 else table  # (m, T)
+    if table.shape[0] == 0:
+        return 0.0
+    product = torch.eye(2, dtype=_DTYPE).expand(table.shape[0], 2, 2)  # (m, 2, 2)
+    for column in table.T:
+        product = _mode_matrices(column, outer_momentum, form) @ product
+    rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
+    rates[((table - 1.0).abs() <= _EIGENVALUE_TOL).all(dim=1)] = 1.0
+    if form == "anchored":
+        rates[(table.abs() <= _EIGENVALUE_TOL).all(dim=1)] = 0.0
+    return float(rates.max())
+
+
+def consensus_rate_fixed(matrix: Tensor, outer_momentum: float, form: UpdateForm = "anchored") -> float:
+    """Exact asymptotic per-round contraction of the disagreement for a fixed symmetric W.
+
+    Args:
+        matrix: W, (n, n), symmetric and doubly stochastic.
+        outer_momentum: gamma in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+
+    Returns:
+        max over the eigenvalues lambda of W on the disagreement space of rho(M(lambda)).
+        1.0 for a disconnected graph.
+    """
+    return consensus_rate_modes(disagreement_eigenvalues(matrix), outer_momentum, form)
+
+
+def consensus_rate_periodic(
+    matrices: Sequence[Tensor], outer_momentum: float, form: UpdateForm = "anchored"
+) -> float:
+    """Exact consensus rate of a periodic schedule of commuting W (e.g. the hypercube).
+
+    Args:
+        matrices: one period W_0, ..., W_{T-1}; round t uses W_{t mod T}.
+        outer_momentum: gamma in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+
+    Returns:
+        max over common eigenvectors of rho(M_{T-1} ... M_0)^(1/T).
+    """
+    return consensus_rate_modes(periodic_mode_eigenvalues(matrices), outer_momentum, form)
+
+
+def _step(theta: Tensor, anchor: Tensor, matrix: Tensor, gamma: float, form: str) -> tuple[Tensor, Tensor]:
+    if form == "anchored":
+        sent = theta + gamma * (theta - anchor)  # u, (n, d)
+        mixed = matrix @ sent
+        return mixed, (mixed + gamma * anchor) / (1.0 + gamma)
+    mixed = matrix @ theta  # x+, (n, d)
+    return mixed + gamma * (mixed - anchor), mixed
+
+
+def _log_disagreement(
+    sample_matrix: Callable[[int], Tensor],
+    world_size: int,
+    gamma: float,
+    form: str,
+    rounds: int,
+    seed: int,
+    columns: int,
+    first_round: int,
+) -> list[float]:
+    """log(||theta_t - mean|| / ||theta_0 - mean||) for t = 0..rounds, renormalizing every round."""
+    generator = torch.Generator().manual_seed(seed)
+    theta = torch.randn(world_size, columns, generator=generator, dtype=_DTYPE)  # (n, d)
+    theta -= theta.mean(dim=0)
+    anchor = theta.clone()  # zero initial momentum: x(0) = theta(0)
+    start = math.log(theta.norm().item())
+    logs, log_scale = [0.0], 0.0
+    for t in range(rounds):
+        theta, anchor = _step(theta, anchor, sample_matrix(first_round + t), gamma, form)
+        # The mean evolves on its own (W is doubly stochastic); dropping it each round keeps
+        # rounding in the mean from growing against the renormalized disagreement.
+        theta, anchor = theta - theta.mean(dim=0), anchor - anchor.mean(dim=0)
+        scale = math.hypot(theta.norm().item(), anchor.norm().item())
+        if scale == 0.0:
+            return logs + [-math.inf] * (rounds - t)
+        theta, anchor, log_scale = theta / scale, anchor / scale, log_scale + math.log(scale)
+        size = theta.norm().item()
+        logs.append(math.log(size) + log_scale - start if size > 0.0 else -math.inf)
+    return logs
+
+
+def disagreement_trajectory(
+    sample_matrix: Callable[[int], Tensor],
+    world_size: int,
+    outer_momentum: float,
+    form: UpdateForm = "anchored",
+    rounds: int = 300,
+    seed: int = 0,
+    columns: int = 4,
+    first_round: int = 0,
+) -> Tensor:
+    """Simulate consensus (no gradients) and return the relative disagreement per round.
+
+    Args:
+        sample_matrix: round index -> W of that round, (n, n) float64.
+        world_size: n.
+        outer_momentum: gamma in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+        rounds: number of rounds to run.
+        seed: seeds the random initial disagreement (standard normal, mean removed).
+        columns: d, the number of independent coordinates per worker.
+        first_round: round index of the first round (shifts a random schedule).
+
+    Returns:
+        (rounds + 1,) float64: ||theta_t - mean|| / ||theta_0 - mean||, computed with per-round
+        renormalization (entries may underflow to 0 or overflow to inf only at the end).
+    """
+    check_form(form)
+    check_outer_momentum(outer_momentum)
+    logs = _log_disagreement(sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, first_round)
+    return torch.tensor(logs, dtype=_DTYPE).exp()
+
+
+def _fitted_rate(logs: list[float], burn_in: int) -> float:
+    """exp of the least-squares slope of log-disagreement over rounds burn_in..end."""
+    if logs[-1] == -math.inf:
+        return 0.0
+    points = [(t, v) for t, v in enumerate(logs) if t >= burn_in and math.isfinite(v)]
+    t_mean = sum(t for t, _ in points) / len(points)
+    v_mean = sum(v for _, v in points) / len(points)
+    numerator = sum((t - t_mean) * (v - v_mean) for t, v in points)
+    denominator = sum((t - t_mean) ** 2 for t, _ in points)
+    return math.exp(numerator / denominator) if denominator > 0.0 else 0.0
+
+
+def consensus_rate_simulated(
+    sample_matrix: Callable[[int], Tensor],
+    world_size: int,
+    outer_momentum: float,
+    form: UpdateForm = "anchored",
+    rounds: int = 300,
+    seeds: Sequence[int] = (0, 1, 2, 3),
+    columns: int = 4,
+) -> float:
+    """Estimate the consensus rate of a random schedule by a seeded float64 simulation.
+
+    Each seed runs ``rounds`` rounds from its own random initial disagreement, on its own
+    stretch of the schedule (seed s uses rounds s * rounds, ..., (s + 1) * rounds - 1), and
+    fits the geometric-mean contraction over the last two thirds. The result is the max over
+    seeds, so it errs towards calling a schedule unstable. Deterministic for given inputs.
+
+    Args:
+        sample_matrix: round index -> W of that round, (n, n) float64, doubly stochastic.
+        world_size: n.
+        outer_momentum: gamma in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+        rounds: rounds per seed (at least 3).
+        seeds: initial-disagreement seeds.
+        columns: d, independent coordinates per worker.
+
+    Returns:
+        The estimated per-round rate; 0.0 when n = 1 or the disagreement vanishes exactly.
+    """
+    check_form(form)
+    check_outer_momentum(outer_momentum)
+    if rounds < 3 or not seeds:
+        raise ValueError(f"need rounds >= 3 and at least one seed, got rounds={rounds}, seeds={seeds!r}")
+    if world_size == 1:
+        return 0.0
+    rates = []
+    for index, seed in enumerate(seeds):
+        logs = _log_disagreement(
+            sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, index * rounds
+        )
+        rates.append(_fitted_rate(logs, burn_in=rounds // 3))
+    return max(rates)
+
+
+def max_stable_momentum(
+    rate_fn: Callable[[float], float], lo: float = 0.0, hi: float = 0.999, tol: float = 1e-3
+) -> float | None:
+    """Bisect for the largest gamma with consensus rate < 1.
+
+    Assumes stability is lost once, as gamma grows (true of every schedule we measured).
+
+    Args:
+        rate_fn: gamma -> consensus rate.
+        lo: lower end of the search.
+        hi: upper end of the search.
+        tol: width of the final bracket.
+
+    Returns:
+        A stable gamma within ``tol`` of the boundary (``hi`` when all of [lo, hi] is stable),
+        or None when even ``lo`` is unstable.
+    """
+    if rate_fn(hi) < 1.0:
+        return hi
+    if rate_fn(lo) >= 1.0:
+        return None
+    while hi - lo > tol:
+        middle = 0.5 * (lo + hi)
+        lo, hi = (middle, hi) if rate_fn(middle) < 1.0 else (lo, middle)
+    return lo

@@ -1,0 +1,579 @@
+"""Lightning strategies with local steps and periodic rounds: the wiring of GASLoC.
+
+``LocalStepsStrategy`` holds what GASLoC and DiLoCo share: no DDP wrapper (so no gradient
+all-reduce), rank 0's initial weights broadcast once, a round every ``inner_steps`` (H) real
+optimizer steps, traffic counters, the consensus (average) model for evaluation and a per-rank
+thread budget on CPU. ``GASLoCStrategy`` adds the gossip round (topology, transport, outer step).
+
+Why rounds stay aligned: every rank counts the same optimizer steps (Lightning calls
+``optimizer_step`` once per real step, also when a precision plugin skips the update), so every
+rank enters round t at the same step, and every collective (ours and Lightning's) is reached by
+all ranks in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from gasloc_lightning.outer import OuterState, mix, validate_outer_hyperparameters
+from gasloc_lightning.stability import SWITCHING_SAFE_MOMENTUM
+from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
+from gasloc_lightning.transport import FlatLayout, GossipTransport
+
+if TYPE_CHECKING:
+    from gasloc_lightning.callback import GASLoCCallback
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class LocalStepsStrategy(DDPStrategy):
+    """Base for strategies that train locally for H optimizer steps, then run a communication round.
+
+    Args:
+        inner_steps: H, optimizer steps between two rounds (>= 1).
+        gossip_timeout: seconds any point-to-point wait may take before failing with the round and peers named.
+        collective_timeout: seconds the process group's collectives may take (default 2 x gossip_timeout).
+        consensus_every: every this many rounds, all ranks measure the consensus distance together (0: never).
+        bucket_cap_mb: largest single message slice, in MiB.
+        cpu_threads: torch threads per process on CPU; ``"auto"`` gives each local process its share of the cores.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
+    """
+
+    def __init__(
+        self,
+        *,
+        inner_steps: int = 50,
+        gossip_timeout: float = 300.0,
+        collective_timeout: float | None = None,
+        consensus_every: int = 10,
+        bucket_cap_mb: float = 64.0,
+        cpu_threads: int | Literal["auto"] | None = "auto",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        _check_positive_int("inner_steps (H)", inner_steps)
+        _check_positive_number("gossip_timeout", gossip_timeout)
+        collective_timeout = 2.0 * gossip_timeout if collective_timeout is None else collective_timeout
+        _check_positive_number("collective_timeout", collective_timeout)
+        if not isinstance(consensus_every, int) or consensus_every < 0:
+            raise ValueError(f"consensus_every must be an int >= 0, got {consensus_every!r}")
+        if not (cpu_threads in ("auto", None) or (isinstance(cpu_threads, int) and cpu_threads >= 1)):
+            raise ValueError(f"cpu_threads must be 'auto', None or an int >= 1, got {cpu_threads!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=collective_timeout),
+            start_method=start_method,
+        )
+        self._inner_steps = inner_steps
+        self._gossip_timeout = float(gossip_timeout)
+        self._collective_timeout = float(collective_timeout)
+        self._consensus_every = consensus_every
+        self._bucket_cap_mb = float(bucket_cap_mb)
+        self._cpu_threads = cpu_threads
+        self._layout: FlatLayout | None = None
+        self._transport: GossipTransport | None = None
+        self._work: Tensor | None = None  # one flat model-size scratch vector, reused every round
+        self._round_index = 0
+        self._steps_in_round = 0
+        self._consensus_distance: float | None = None
+        self._local_backup: Tensor | None = None  # local replica while the consensus model is swapped in
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def inner_steps(self) -> int:
+        return self._inner_steps
+
+    @property
+    def round_index(self) -> int:
+        """Rounds completed so far (the next round's index t)."""
+        return self._round_index
+
+    @property
+    def steps_in_round(self) -> int:
+        return self._steps_in_round
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._transport.counters.bytes_sent if self._transport else 0
+
+    @property
+    def bytes_received(self) -> int:
+        return self._transport.counters.bytes_received if self._transport else 0
+
+    @property
+    def consensus_distance(self) -> float | None:
+        """Last measured mean squared distance of the replicas to their average."""
+        return self._consensus_distance
+
+    @property
+    def layout(self) -> FlatLayout:
+        if self._layout is None:
+            raise RuntimeError(f"{type(self).__name__} is not set up yet")
+        return self._layout
+
+    @property
+    def consensus_swapped_in(self) -> bool:
+        return self._local_backup is not None
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup_environment(self) -> None:
+        self._set_cpu_threads()
+        super().setup_environment()
+
+    def _set_cpu_threads(self) -> None:
+        if self._cpu_threads is None or self.root_device.type != "cpu":
+            return
+        threads = self._cpu_threads
+        if threads == "auto":
+            threads = max(1, (os.cpu_count() or 1) // max(1, self.num_processes))
+        torch.set_num_threads(threads)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self._layer_sync is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support sync_batchnorm=True: replicas differ by design and "
+                "BatchNorm statistics are mixed by gossip instead. Remove sync_batchnorm from the Trainer."
+            )
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._layout = FlatLayout(self.model)
+        self._work = self._layout.new_buffer()
+        self._transport = GossipTransport(
+            self._layout.numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None
+        )
+        self._check_same_model_on_every_rank()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._broadcast_initial_weights()
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._round_index, self._steps_in_round = 0, 0
+            self._init_outer_state()
+        self._attach_callback(trainer)
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: there is no gradient all-reduce between rounds."""
+
+    def _check_same_model_on_every_rank(self) -> None:
+        if self.world_size <= 1:
+            return
+        signature = self.layout.signature(self.lightning_module)
+        signatures: list[Any] = [None] * self.world_size
+        dist.all_gather_object(signatures, signature)
+        for rank, other in enumerate(signatures):
+            if other != signatures[0]:
+                raise RuntimeError(
+                    f"rank {rank} holds a different model than rank 0 (names, shapes or dtypes of the "
+                    f"exchanged tensors differ: {_first_difference(signatures[0], other)}); every rank must "
+                    "build the same architecture before any exchange"
+                )
+
+    def _broadcast_initial_weights(self) -> None:
+        """All replicas start from rank 0's weights: one broadcast of the flat vector."""
+        if self.world_size <= 1:
+            return
+        flat = self.layout.gather(self._work)
+        dist.broadcast(flat, src=0)
+        self.layout.scatter(flat)
+
+    def _check_optimizers(self) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{type(self).__name__} supports exactly one optimizer (automatic or manual optimization); "
+                f"configure_optimizers returned {len(self.optimizers)}"
+            )
+
+    def _attach_callback(self, trainer: pl.Trainer) -> None:
+        from gasloc_lightning.callback import GASLoCCallback
+        from lightning.pytorch.callbacks import Checkpoint
+
+        if any(isinstance(cb, GASLoCCallback) for cb in trainer.callbacks):
+            return
+        # Before checkpoint callbacks: the local replicas must be back in place when they save.
+        position = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
+        trainer.callbacks.insert(len(trainer.callbacks) if position is None else position, GASLoCCallback())
+
+    def _init_outer_state(self) -> None:
+        """Create the per-worker outer state from the (now identical) live parameters."""
+
+    # ------------------------------------------------------------------ the round
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Counted after the precision plugin, whether or not it skipped the update: rounds stay aligned.
+        self._steps_in_round += 1
+        if self._steps_in_round >= self._inner_steps:
+            self.end_round()
+        return output
+
+    def end_round(self) -> None:
+        """Run the communication round now (every rank must call this at the same step)."""
+        self._communicate()
+        self._round_index += 1
+        self._steps_in_round = 0
+        if self._consensus_every and self._round_index % self._consensus_every == 0:
+            self._consensus_distance = self.measure_consensus_distance()
+
+    def finish_pending_round(self) -> bool:
+        """Run a final, shorter round if steps were taken since the last one (end of training)."""
+        if self._steps_in_round == 0:
+            return False
+        self.end_round()
+        return True
+
+    def _communicate(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ consensus
+    @torch.no_grad()
+    def measure_consensus_distance(self) -> float:
+        """Mean over workers of ||theta_i - mean(theta)||^2 over the trainable parameters (a collective)."""
+        if self.world_size <= 1:
+            return 0.0
+        params, _ = self.layout.split(self.layout.gather(self._work))
+        mean = self._transport.receive_buffer(0)[: params.numel()]
+        mean.copy_(params)
+        dist.all_reduce(mean)
+        mean.div_(self.world_size)
+        distance = torch.sub(params, mean, out=mean).pow_(2).sum().reshape(1).double()
+        dist.all_reduce(distance)
+        return distance.item() / self.world_size
+
+    @torch.no_grad()
+    def swap_in_consensus(self) -> None:
+        """Replace every replica by the average of all replicas (a collective); ``restore_local`` undoes it."""
+        if self._local_backup is not None:
+            return
+        self._local_backup = self.layout.gather(self._work)
+        if self.world_size > 1:
+            mean = self._transport.receive_buffer(0)
+            mean.copy_(self._local_backup)
+            dist.all_reduce(mean)
+            self.layout.scatter(mean.div_(self.world_size))
+
+    @torch.no_grad()
+    def show_local(self) -> None:
+        """While the consensus is swapped in: put the local replica back temporarily (no communication)."""
+        if self._local_backup is not None:
+            self.layout.scatter(self._local_backup)
+
+    @torch.no_grad()
+    def show_consensus(self) -> None:
+        """Undo ``show_local`` (the average is still in its buffer)."""
+        if self._local_backup is not None and self.world_size > 1:
+            self.layout.scatter(self._transport.receive_buffer(0))
+
+    @torch.no_grad()
+    def restore_local(self) -> None:
+        if self._local_backup is not None:
+            self.layout.scatter(self._local_backup)
+            self._local_backup = None
+
+    @torch.no_grad()
+    def average_replicas(self) -> None:
+        """Make every replica the consensus model for good (end of fit)."""
+        self.restore_local()
+        self.swap_in_consensus()
+        self._local_backup = None
+        self._on_replicas_averaged()
+
+    def _on_replicas_averaged(self) -> None:
+        """Hook: keep the outer state consistent with the averaged live parameters."""
+
+    # ------------------------------------------------------------------ state
+    def strategy_state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to resume this rank exactly."""
+        counters = self._transport.counters.state_dict() if self._transport else {}
+        return {
+            "round_index": self._round_index,
+            "steps_in_round": self._steps_in_round,
+            "counters": counters,
+            "consensus_distance": self._consensus_distance,
+        }
+
+    def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
+        self._round_index = int(state["round_index"])
+        self._steps_in_round = int(state["steps_in_round"])
+        self._consensus_distance = state.get("consensus_distance")
+        if self._transport and state.get("counters"):
+            self._transport.counters.load_state_dict(state["counters"])
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.consensus_swapped_in:
+            raise RuntimeError(
+                "a checkpoint was requested while the consensus model is swapped in for evaluation; "
+                "checkpoints must hold the local replicas (is a checkpoint callback ordered before GASLoCCallback?)"
+            )
+        return super().lightning_module_state_dict()
+
+    @override
+    def teardown(self) -> None:
+        self._local_backup = None
+        super().teardown()
+
+
+class GASLoCStrategy(LocalStepsStrategy):
+    """GASLoC: H local steps, then a sparse randomized gossip round with DiLoCo's outer momentum folded in.
+
+    Cagnasso, Belilovsky, Oyallon, "Unifying Local Communications and Local Updates for LLM
+    Pretraining", arXiv 2606.11081. Each worker runs H steps of its own optimizer on its own
+    data, forms z_i = theta_i + eta (thetaH_i - theta_i), sends u_i = z_i + gamma (z_i - x_i) to
+    this round's peers, and moves to theta_i' = u_i - sum_j w_ij (u_i - u_j). On the complete
+    graph this is exactly DiLoCo; on sparse graphs no global collective is needed.
+
+    On failure: a peer that does not complete its exchange within ``gossip_timeout`` raises
+    :class:`~gasloc_lightning.transport.GossipTimeoutError` naming the round, this rank and the peer.
+
+    Args:
+        inner_steps: H, optimizer steps per round.
+        outer_lr: eta, the outer learning rate (> 0).
+        outer_momentum: gamma in [0, 1); ``None`` takes the topology's default (inside its stability region).
+        outer_form: ``"anchored"`` (default; stable on random graphs) or ``"post_mix"`` (fixed graphs).
+        topology: a name (``one_peer``, ``two_peer``, ``ring``, ``torus``, ``exponential``, ``complete``,
+            ``local``) or a :class:`~gasloc_lightning.topology.Topology` object.
+        seed: shared seed of the random graph schedule (every rank derives the same peers from it).
+        **kwargs: ``inner_steps`` and the other arguments of :class:`LocalStepsStrategy`.
+    """
+
+    strategy_name = "gasloc"
+
+    def __init__(
+        self,
+        *,
+        inner_steps: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float | None = None,
+        outer_form: Literal["anchored", "post_mix"] = "anchored",
+        topology: str | Topology = "one_peer",
+        seed: int = 0,
+        gossip_timeout: float = 300.0,
+        collective_timeout: float | None = None,
+        consensus_every: int = 10,
+        bucket_cap_mb: float = 64.0,
+        cpu_threads: int | Literal["auto"] | None = "auto",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        if isinstance(topology, str) and topology.lower() not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {sorted(TOPOLOGIES)} or a Topology, got {topology!r}")
+        validate_outer_hyperparameters(outer_lr, 0.0 if outer_momentum is None else outer_momentum, outer_form)
+        if not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        super().__init__(
+            inner_steps=inner_steps,
+            gossip_timeout=gossip_timeout,
+            collective_timeout=collective_timeout,
+            consensus_every=consensus_every,
+            bucket_cap_mb=bucket_cap_mb,
+            cpu_threads=cpu_threads,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        self._topology = build_topology(topology, seed=seed)
+        self._outer_lr = float(outer_lr)
+        self._requested_momentum = outer_momentum
+        self._outer_momentum: float | None = outer_momentum
+        self._outer_form = outer_form
+        self._seed = seed
+        self._outer: OuterState | None = None
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    @property
+    def outer_lr(self) -> float:
+        return self._outer_lr
+
+    @property
+    def outer_momentum(self) -> float:
+        """gamma; resolved from the topology's default once the world size is known."""
+        if self._outer_momentum is None:
+            raise RuntimeError("outer_momentum is resolved when the world size is known (Trainer construction)")
+        return self._outer_momentum
+
+    @property
+    def outer_form(self) -> str:
+        return self._outer_form
+
+    @property
+    def outer_state(self) -> OuterState | None:
+        return self._outer
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The world size is known here, in the main process, before any worker is launched:
+        # configuration errors surface at Trainer(...) instead of inside every child.
+        self.check_configuration(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    def check_configuration(self, world_size: int) -> None:
+        """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""
+        if world_size <= 1:
+            self._outer_momentum = 0.0 if self._requested_momentum is None else self._requested_momentum
+            return
+        self._topology.check_world_size(world_size)
+        if self._requested_momentum is None:
+            self._outer_momentum = self._topology.default_outer_momentum(world_size)
+        if self._topology.name == "local":
+            return
+        self._check_stability(world_size)
+
+    def _check_stability(self, world_size: int) -> None:
+        gamma, form = self._outer_momentum, self._outer_form
+        rate = self._topology.consensus_rate(world_size, gamma, form)
+        if rate >= 1.0:
+            limit = self._topology.max_stable_momentum(world_size, form)
+            raise ValueError(
+                f"outer_momentum (gamma) = {gamma} is unstable for topology {self._topology.name!r} with "
+                f"{world_size} workers and outer_form={form!r} (consensus rate {rate:.4f} >= 1): the largest "
+                f"stable gamma is about {limit:.3f}"
+            )
+        if type(self._topology).__module__ != "gasloc_lightning.topology" and self._topology.time_varying:
+            if gamma > SWITCHING_SAFE_MOMENTUM:
+                rank_zero_warn(
+                    f"a custom time-varying topology with outer_momentum {gamma} > {SWITCHING_SAFE_MOMENTUM} "
+                    "(the bound certified for any switching sequence): stability was only checked by simulation"
+                )
+        if not self._topology.is_positive_semidefinite(world_size):
+            rank_zero_warn(
+                f"topology {self._topology.name!r} has mixing weights that are stable but not positive "
+                "semidefinite; the stability margin is smaller than with PSD weights"
+            )
+
+    @override
+    def _init_outer_state(self) -> None:
+        if self._outer_momentum is None or self.world_size <= 1:
+            self.check_configuration(self.world_size)
+        if self.world_size <= 1:
+            rank_zero_info("GASLoC with a single worker: local training with outer steps, no communication.")
+        params, _ = self.layout.split(self.layout.gather(self._work))
+        self._outer = OuterState(params, self._outer_lr, self.outer_momentum, self._outer_form)
+
+    def peers(self, round_index: int | None = None) -> dict[int, float]:
+        """This rank's peers and mixing weights w_ij in round t (default: the current round)."""
+        if self.world_size <= 1:
+            return {}
+        t = self._round_index if round_index is None else round_index
+        return self._topology.mixing_weights(self.global_rank, self.world_size, t)
+
+    @override
+    @torch.no_grad()
+    def _communicate(self) -> None:
+        assert self._outer is not None and self._transport is not None
+        layout, outer = self.layout, self._outer
+        message = layout.gather(self._work)  # thetaH | buffers
+        params, buffers = layout.split(message)
+        outer.message(params)  # params now hold u_i (or z_i for post_mix)
+        mixed = outer.mixed_destination()
+        if self._topology.uses_all_reduce and self.world_size > 1:
+            self._transport.all_reduce_mean(message)
+            mixed.copy_(params)
+        else:
+            pending = self._transport.post(message, self.peers(), self._round_index)
+            received = self._transport.complete(pending)
+            n = layout.num_parameter_elements
+            mix(params, [(w, r[:n]) for w, r in received], out=mixed)
+            mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)
+        layout.scatter_parameters(outer.finish(params, mixed))
+        layout.scatter_buffers(buffers)
+
+    @override
+    def _on_replicas_averaged(self) -> None:
+        if self._outer is not None:
+            params, _ = self.layout.split(self.layout.gather(self._work))
+            self._outer.round_start.copy_(params)
+
+    @override
+    def strategy_state_dict(self) -> dict[str, Any]:
+        state = super().strategy_state_dict()
+        state["outer"] = self._outer.state_dict() if self._outer else None
+        return state
+
+    @override
+    def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state_dict(state)
+        if self._outer is not None and state.get("outer") is not None:
+            self._outer.load_state_dict(state["outer"])
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        _register_variants(strategy_registry, cls, "gasloc", "GASLoC (local steps + gossip + outer momentum)")
+
+
+def _register_variants(strategy_registry: Any, cls: type, prefix: str, description: str) -> None:
+    for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_notebook", "fork")):
+        name = prefix + suffix
+        if name not in strategy_registry:
+            strategy_registry.register(
+                name, cls, description=f"{description}, start_method={start_method!r}", start_method=start_method
+            )
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+
+
+def _first_difference(expected: list, actual: list) -> str:
+    for a, b in zip(expected, actual):
+        if a != b:
+            return f"rank 0 has {a}, the other has {b}"
+    return f"rank 0 has {len(expected)} tensors, the other has {len(actual)}"

@@ -1,0 +1,238 @@
+"""Moving model-size points between workers: flat layouts and point-to-point gossip.
+
+This is the only module that talks to a process group. It knows nothing about the outer step:
+it flattens a module into one contiguous float32 vector (``FlatLayout``) and exchanges such
+vectors with this round's peers (``GossipTransport.post`` / ``complete``), or averages them
+over every worker (``all_reduce_mean``).
+
+The message of one round is ``[ trainable parameters | floating-point buffers ]``. Parameters
+get the outer step; floating buffers (BatchNorm statistics) are mixed without momentum; integer
+buffers stay local; tied parameters are sent once; frozen parameters are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+
+class GossipTimeoutError(RuntimeError):
+    """A peer did not complete its part of an exchange before the deadline."""
+
+
+def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
+    seen: set[int] = set()
+    unique = []
+    for tensor in tensors:
+        if id(tensor) not in seen:  # tied weights appear twice in named_parameters(remove_duplicate=False)
+            seen.add(id(tensor))
+            unique.append(tensor)
+    return unique
+
+
+class FlatLayout:
+    """A fixed order of a module's exchanged tensors and their offsets in one flat float32 vector.
+
+    Args:
+        module: the model whose trainable parameters and floating-point buffers are exchanged.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.parameters = _unique(p for p in module.parameters() if p.requires_grad)
+        self.buffers = _unique(b for b in module.buffers() if torch.is_floating_point(b))
+        self.num_parameter_elements = sum(p.numel() for p in self.parameters)
+        self.num_buffer_elements = sum(b.numel() for b in self.buffers)
+        self._tensors = self.parameters + self.buffers
+        self.device = self.parameters[0].device if self.parameters else torch.device("cpu")
+        if not self.parameters:
+            raise ValueError("the model has no trainable parameters to exchange")
+
+    @property
+    def numel(self) -> int:
+        return self.num_parameter_elements + self.num_buffer_elements
+
+    def signature(self, module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+        """Names, shapes and dtypes of the exchanged tensors, to compare models across ranks."""
+        exchanged = {id(t) for t in self._tensors}
+        named = list(module.named_parameters()) + list(module.named_buffers())
+        return [(name, tuple(t.shape), str(t.dtype)) for name, t in named if id(t) in exchanged]
+
+    def new_buffer(self) -> Tensor:
+        return torch.empty(self.numel, dtype=torch.float32, device=self.device)
+
+    @staticmethod
+    def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
+        views, offset = [], 0
+        for tensor in tensors:
+            views.append(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+        return views
+
+    @torch.no_grad()
+    def gather(self, out: Tensor) -> Tensor:
+        """Copy every exchanged live tensor into ``out`` (cast to float32)."""
+        torch._foreach_copy_(self._views(out, self._tensors), [t.data for t in self._tensors])
+        return out
+
+    @torch.no_grad()
+    def scatter(self, flat: Tensor) -> None:
+        """Copy a full flat vector (parameters and buffers) into the live tensors."""
+        self._copy_into(self._tensors, flat)
+
+    @torch.no_grad()
+    def scatter_parameters(self, flat_parameters: Tensor) -> None:
+        """Copy the parameter part only (cast to each parameter's dtype)."""
+        self._copy_into(self.parameters, flat_parameters)
+
+    @torch.no_grad()
+    def scatter_buffers(self, flat_buffers: Tensor) -> None:
+        self._copy_into(self.buffers, flat_buffers)
+
+    def _copy_into(self, tensors: list[Tensor], flat: Tensor) -> None:
+        if tensors:
+            torch._foreach_copy_([t.data for t in tensors], self._views(flat, tensors))
+
+    def split(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """The parameter and buffer parts of a flat vector (views)."""
+        return flat[: self.num_parameter_elements], flat[self.num_parameter_elements :]
+
+
+@dataclass
+class PendingExchange:
+    """An exchange posted with :meth:`GossipTransport.post`, to be finished by ``complete``."""
+
+    round_index: int
+    peers: dict[int, float]
+    works: list = field(default_factory=list)
+    received: list[tuple[float, Tensor]] = field(default_factory=list)
+    # Set when the exchange is an all-reduce; ``received`` is then empty.
+    all_reduce_out: Tensor | None = None
+
+
+@dataclass
+class TrafficCounters:
+    """Bytes this worker moved, counted where they are sent (all-reduce: the ring algorithm's volume)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchanges: int = 0
+
+    def state_dict(self) -> dict:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "exchanges": self.exchanges}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.bytes_sent, self.bytes_received = int(state["bytes_sent"]), int(state["bytes_received"])
+        self.exchanges = int(state["exchanges"])
+
+
+def ring_all_reduce_bytes(num_bytes: int, world_size: int) -> int:
+    """Bytes each worker sends (and receives) in a ring all-reduce of ``num_bytes``: 2 (n - 1) / n of it."""
+    return 0 if world_size <= 1 else math.ceil(2 * (world_size - 1) * num_bytes / world_size)
+
+
+class GossipTransport:
+    """Point-to-point exchange of flat float32 points with this round's peers.
+
+    Receive buffers are allocated once per peer slot and reused. Messages larger than
+    ``bucket_cap_mb`` go out as several contiguous slices of the same buffer (no copies).
+    A worker waits only for its own peers: there is no barrier in the gossip path.
+
+    Args:
+        numel: elements of one message.
+        device: where buffers live (CUDA for NCCL, CPU for gloo).
+        timeout: deadline in seconds for one exchange to complete.
+        bucket_cap_mb: largest single send, in MiB.
+        group: process group (default: the world).
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        device: torch.device,
+        timeout: float,
+        bucket_cap_mb: float = 64.0,
+        group: dist.ProcessGroup | None = None,
+    ):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.numel, self.device, self.timeout, self.group = numel, device, float(timeout), group
+        self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // 4)
+        self._receive_buffers: list[Tensor] = []
+        self.counters = TrafficCounters()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def receive_buffer(self, slot: int) -> Tensor:
+        while len(self._receive_buffers) <= slot:
+            self._receive_buffers.append(torch.empty(self.numel, dtype=torch.float32, device=self.device))
+        return self._receive_buffers[slot]
+
+    def _buckets(self, flat: Tensor) -> list[Tensor]:
+        return list(flat.split(self._bucket_numel))
+
+    def post(self, message: Tensor, peers: Mapping[int, float], round_index: int) -> PendingExchange:
+        """Start sending ``message`` to every peer and receiving theirs; returns at once."""
+        pending = PendingExchange(round_index=round_index, peers=dict(peers))
+        if not peers:
+            return pending
+        ops = []
+        for slot, peer in enumerate(sorted(peers)):
+            incoming = self.receive_buffer(slot)
+            for send, recv in zip(self._buckets(message), self._buckets(incoming)):
+                ops.append(dist.P2POp(dist.isend, send, peer, group=self.group))
+                ops.append(dist.P2POp(dist.irecv, recv, peer, group=self.group))
+            pending.received.append((peers[peer], incoming))
+        pending.works = dist.batch_isend_irecv(ops)
+        num_bytes = message.numel() * message.element_size() * len(peers)
+        self.counters.bytes_sent += num_bytes
+        self.counters.bytes_received += num_bytes
+        self.counters.exchanges += 1
+        return pending
+
+    def complete(self, pending: PendingExchange) -> list[tuple[float, Tensor]]:
+        """Wait (at most ``timeout`` seconds) for this worker's own peers; returns ``(w_ij, u_j)`` pairs."""
+        deadline = timedelta(seconds=self.timeout)
+        for work in pending.works:
+            try:
+                completed = work.wait(deadline)
+            except RuntimeError as error:
+                raise self._timeout_error(pending, error) from error
+            if completed is False:
+                raise self._timeout_error(pending, None)
+        pending.works = []
+        return pending.received
+
+    def _timeout_error(self, pending: PendingExchange, cause: Exception | None) -> GossipTimeoutError:
+        peers = sorted(pending.peers)
+        detail = f": {cause}" if cause else ""
+        return GossipTimeoutError(
+            f"gossip round {pending.round_index}: rank {self.rank} did not complete its exchange with "
+            f"peer(s) {peers} within gossip_timeout={self.timeout:g}s (a peer stalled or died){detail}"
+        )
+
+    def all_reduce_mean(self, tensor: Tensor) -> Tensor:
+        """In-place mean over every worker (the complete graph); counted as a ring all-reduce."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        tensor.div_(self.world_size)
+        volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self.counters.bytes_sent += volume
+        self.counters.bytes_received += volume
+        self.counters.exchanges += 1
+        return tensor

@@ -1,0 +1,44 @@
+"""Shared fixtures: a fresh port per launch, and no leaked environment or process group between tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch.distributed as dist
+
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_distributed_state():
+    saved = {key: os.environ.get(key) for key in _DIST_ENV}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def fresh_port(monkeypatch):
+    """Writes a free port to MASTER_PORT now; call the returned function before each further launch."""
+
+    def new_port() -> int:
+        port = free_port()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        return port
+
+    new_port()
+    return new_port

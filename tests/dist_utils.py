@@ -1,0 +1,134 @@
+"""Module-level models and callbacks for multi-process tests (anything that crosses a spawn lives here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyRegressor(pl.LightningModule):
+    """A small MLP with a BatchNorm (float buffers mixed, an integer buffer left local) and rank-specific data."""
+
+    def __init__(self, inner_lr: float = 0.05, optimizer: str = "adamw", batches: int = 64, seed: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1234)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def compute_loss(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.compute_loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.inner_lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.inner_lr)
+
+    def _data(self, split_seed: int) -> TensorDataset:
+        generator = torch.Generator().manual_seed(self.hparams.seed * 1000 + split_seed * 100 + self.global_rank)
+        x = torch.randn(self.hparams.batches * 4, 8, generator=generator)
+        y = x.sum(dim=1, keepdim=True) * (1 + self.global_rank) + 0.1 * torch.randn(len(x), 1, generator=generator)
+        return TensorDataset(x, y)
+
+    def train_dataloader(self):
+        return DataLoader(self._data(0), batch_size=4, shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader(self._data(1), batch_size=16)
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+
+
+class RecordParameters(Callback):
+    """Every rank saves its flat parameters after each optimizer step and at train end."""
+
+    def __init__(self, out_dir: str, perturb: float = 0.0):
+        self.out_dir = out_dir
+        self.perturb = perturb
+        self.history: list[torch.Tensor] = []
+        self.rounds: list[int] = []
+
+    def on_train_start(self, trainer, pl_module):
+        if self.perturb:
+            generator = torch.Generator().manual_seed(99 + trainer.global_rank)
+            with torch.no_grad():
+                for p in pl_module.parameters():
+                    p.add_(self.perturb * torch.randn(p.shape, generator=generator))
+        self.history.append(flat_parameters(pl_module))
+        self.rounds.append(trainer.strategy.round_index)
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.history.append(flat_parameters(pl_module))
+        self.rounds.append(trainer.strategy.round_index)
+
+    def on_train_end(self, trainer, pl_module):
+        strategy = trainer.strategy
+        record = {
+            "history": torch.stack(self.history),
+            "rounds": self.rounds,
+            "final": flat_parameters(pl_module),
+            "bytes_sent": strategy.bytes_sent,
+            "bytes_received": strategy.bytes_received,
+            "round_index": strategy.round_index,
+            "exchanged_numel": strategy.layout.numel,
+            "global_step": trainer.global_step,
+        }
+        torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+
+
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "reduce_scatter", "barrier",
+                "batch_isend_irecv", "isend", "irecv", "reduce", "gather", "scatter", "all_to_all")
+
+
+class CountCollectives(Callback):
+    """Counts torch.distributed calls between optimizer steps, writing them per rank."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.per_step: list[dict[str, int]] = []
+        self._counts: dict[str, int] = {}
+        self._originals: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        for name in _COLLECTIVES:
+            original = getattr(dist, name)
+            self._originals[name] = original
+            setattr(dist, name, self._counting(name, original))
+
+    def _counting(self, name, original):
+        def wrapper(*args, **kwargs):
+            self._counts[name] = self._counts.get(name, 0) + 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        self.per_step.append({"round": trainer.strategy.round_index, **self._counts})
+        self._counts = {}
+
+    def on_train_end(self, trainer, pl_module):
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        torch.save(self.per_step, Path(self.out_dir) / f"collectives{trainer.global_rank}.pt")
+
+
+def load_ranks(out_dir, world_size: int, prefix: str = "rank") -> list:
+    return [torch.load(Path(out_dir) / f"{prefix}{r}.pt", weights_only=False) for r in range(world_size)]
