@@ -201,6 +201,9 @@ def consensus_rate_modes(
     table = table[:, None] if table.ndim == 1 else table  # (m, T)
     if table.shape[0] == 0:
         return 0.0
+    # Snap rounding noise: a near-0 product raised to 1/T would otherwise read as a real rate.
+    table = torch.where(table.abs() <= _EIGENVALUE_TOL, 0.0, table)
+    table = torch.where((table - 1.0).abs() <= _EIGENVALUE_TOL, 1.0, table)
     product = torch.eye(2, dtype=_DTYPE).expand(table.shape[0], 2, 2)  # (m, 2, 2)
     for column in table.T:
         product = _mode_matrices(column, outer_momentum, form) @ product
@@ -266,19 +269,22 @@ def _log_disagreement(
     theta = torch.randn(world_size, columns, generator=generator, dtype=_DTYPE)  # (n, d)
     theta -= theta.mean(dim=0)
     anchor = theta.clone()  # zero initial momentum: x(0) = theta(0)
-    start = math.log(theta.norm().item())
-    logs, log_scale = [0.0], 0.0
+    log_scale = -math.log(theta.norm().item())  # log of the total rescaling so far
+    logs = [0.0]
     for t in range(rounds):
         theta, anchor = _step(theta, anchor, sample_matrix(first_round + t), gamma, form)
-        # The mean evolves on its own (W is doubly stochastic); dropping it each round keeps
-        # rounding in the mean from growing against the renormalized disagreement.
-        theta, anchor = theta - theta.mean(dim=0), anchor - anchor.mean(dim=0)
-        scale = math.hypot(theta.norm().item(), anchor.norm().item())
-        if scale == 0.0:
+        # The mean evolves on its own (W is doubly stochastic); dropping it every round keeps
+        # its rounding errors from growing against the renormalized disagreement.
+        theta -= theta.mean(dim=0)
+        anchor -= anchor.mean(dim=0)
+        theta_size, anchor_size = torch.stack((theta.norm(), anchor.norm())).tolist()
+        if theta_size == 0.0 and anchor_size == 0.0:
             return logs + [-math.inf] * (rounds - t)
-        theta, anchor, log_scale = theta / scale, anchor / scale, log_scale + math.log(scale)
-        size = theta.norm().item()
-        logs.append(math.log(size) + log_scale - start if size > 0.0 else -math.inf)
+        logs.append(math.log(theta_size) + log_scale if theta_size > 0.0 else -math.inf)
+        scale = math.hypot(theta_size, anchor_size)
+        theta /= scale
+        anchor /= scale
+        log_scale += math.log(scale)
     return logs
 
 

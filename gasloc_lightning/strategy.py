@@ -182,7 +182,24 @@ class LocalStepsStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._round_index, self._steps_in_round = 0, 0
             self._init_outer_state()
+            self._move_sigterm_check_to_round_boundaries(trainer)
         self._attach_callback(trainer)
+
+    def _move_sigterm_check_to_round_boundaries(self, trainer: pl.Trainer) -> None:
+        """Lightning broadcasts a SIGTERM flag from rank 0 before every training step: a global
+        collective that would make every worker wait for the slowest one at every step. We keep the
+        check (all ranks still stop together on SIGTERM) but run it only when a round starts."""
+        epoch_loop = trainer.fit_loop.epoch_loop
+        original = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
+        if original is None or getattr(original, "_gasloc_round_boundaries", False):
+            return
+
+        def sigterm_check_at_round_start() -> None:
+            if self._steps_in_round == 0:
+                original()
+
+        sigterm_check_at_round_start._gasloc_round_boundaries = True  # type: ignore[attr-defined]
+        epoch_loop._broadcast_sigterm_tensor = sigterm_check_at_round_start
 
     @override
     def configure_ddp(self) -> None:

@@ -13,13 +13,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class TinyRegressor(pl.LightningModule):
-    """A small MLP with a BatchNorm (float buffers mixed, an integer buffer left local) and rank-specific data."""
+    """A small MLP with a BatchNorm (float buffers mixed, an integer buffer left local) and rank-specific data.
+
+    No bias before the BatchNorm: its true gradient is zero, and Adam would turn float noise into lr-sized steps.
+    """
 
     def __init__(self, inner_lr: float = 0.05, optimizer: str = "adamw", batches: int = 64, seed: int = 0):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(1234)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        self.net = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
 
     def forward(self, x):
         return self.net(x)
@@ -92,11 +95,17 @@ class RecordParameters(Callback):
             "exchanged_numel": strategy.layout.numel,
             "global_step": trainer.global_step,
         }
-        torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
+        self._record = record
+
+    def on_fit_end(self, trainer, pl_module):
+        """After GASLoCCallback's end of fit (final round, averaging)."""
+        self._record["after_fit"] = flat_parameters(pl_module)
+        self._record["rounds_at_fit_end"] = trainer.strategy.round_index
+        torch.save(self._record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "reduce_scatter", "barrier",
-                "batch_isend_irecv", "isend", "irecv", "reduce", "gather", "scatter", "all_to_all")
+                "batch_isend_irecv", "reduce", "gather", "scatter", "all_to_all")
 
 
 class CountCollectives(Callback):

@@ -1,4 +1,10 @@
-"""GASLoC and DiLoCo through Lightning on real gloo process groups (spawned CPU workers)."""
+"""GASLoC and DiLoCo through Lightning on real gloo process groups of CPU workers.
+
+Most launches fork (the ``*_notebook`` start method): a spawned worker re-imports torch and Lightning
+(about 15 s on 2 cores against under 1 s), which the suite's time budget cannot afford for every test.
+Forking is safe here because each worker runs torch with one thread (cpu_threads="auto" on 2 cores).
+One test launches with spawn, and one with torchrun, so those paths stay covered.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 def fit(strategy, tmp_path, *, devices=2, max_steps=12, callbacks=(), model=None, **trainer_kwargs):
     model = model or TinyRegressor()
+    trainer_kwargs.setdefault("limit_val_batches", 0)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -30,7 +37,6 @@ def fit(strategy, tmp_path, *, devices=2, max_steps=12, callbacks=(), model=None
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        limit_val_batches=0,
         default_root_dir=tmp_path,
         callbacks=list(callbacks),
         **trainer_kwargs,
@@ -42,7 +48,7 @@ def fit(strategy, tmp_path, *, devices=2, max_steps=12, callbacks=(), model=None
 @pytest.mark.slow
 def test_complete_graph_gasloc_equals_diloco_on_every_rank(tmp_path, fresh_port):
     """Oracle 1 end to end in float32: GASLoC(complete) and DiLoCo reach the same parameters."""
-    hyper = dict(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, start_method="spawn", gossip_timeout=120.0)
+    hyper = dict(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, start_method="fork", gossip_timeout=120.0)
     runs = {}
     for name, strategy in (
         ("gasloc", GASLoCStrategy(topology="complete", **hyper)),
@@ -64,9 +70,10 @@ def test_complete_graph_gasloc_equals_diloco_on_every_rank(tmp_path, fresh_port)
 
 @pytest.mark.slow
 def test_gossip_alone_keeps_the_mean_and_shrinks_the_spread(tmp_path, fresh_port):
-    """Inner lr 0, eta 1, gamma 0, replicas perturbed: the mean stays, the disagreement falls every round."""
+    """Inner lr 0, eta 1, gamma 0, replicas perturbed: the mean stays, and each round removes exactly
+    sum over matched pairs of ||theta_i - theta_j||^2 / 2 from the spread (ALGORITHM.md oracle 4)."""
     strategy = GASLoCStrategy(topology="one_peer", inner_steps=2, outer_lr=1.0, outer_momentum=0.0,
-                              start_method="spawn", gossip_timeout=120.0)
+                              start_method="fork", gossip_timeout=120.0, seed=7)
     model = TinyRegressor(inner_lr=0.0, optimizer="sgd")
     fit(strategy, tmp_path, devices=4, max_steps=10, model=model, callbacks=[RecordParameters(str(tmp_path), 0.5)])
     ranks = load_ranks(tmp_path, 4)
@@ -74,32 +81,30 @@ def test_gossip_alone_keeps_the_mean_and_shrinks_the_spread(tmp_path, fresh_port
     rounds = ranks[0]["rounds"]
     mean = history.mean(0)  # (records, P)
     assert ((mean - mean[0]).norm(dim=1) <= 1e-6 * mean[0].norm()).all()
-    spread = ((history - mean) ** 2).sum(dim=(0, 2))
+    spread = ((history - mean) ** 2).sum(dim=(0, 2))  # (records,)
     boundaries = [i for i in range(1, len(rounds)) if rounds[i] != rounds[i - 1]]
     assert len(boundaries) == 5
-    previous = spread[0]
-    for i in boundaries:
-        assert spread[i] < previous
-        previous = spread[i]
+    for t, i in enumerate(boundaries):
+        before = history[:, i - 1]
+        pairs = {tuple(sorted((r, peer))) for r in range(4) for peer in strategy.topology.mixing_weights(r, 4, t)}
+        drop = sum(((before[a] - before[b]) ** 2).sum() / 2 for a, b in pairs)
+        assert pairs
+        assert torch.isclose(spread[i - 1] - spread[i], drop, rtol=1e-5, atol=1e-9 * spread[0])
     assert spread[boundaries[-1]] < 0.2 * spread[0]
 
 
 @pytest.mark.slow
 def test_no_collective_between_rounds_and_bytes_match_the_analytic_volume(tmp_path, fresh_port):
-    strategy = GASLoCStrategy(topology="one_peer", inner_steps=3, start_method="spawn", gossip_timeout=120.0,
+    strategy = GASLoCStrategy(topology="one_peer", inner_steps=3, start_method="fork", gossip_timeout=120.0,
                               consensus_every=0)
     fit(strategy, tmp_path, devices=4, max_steps=9,
         callbacks=[CountCollectives(str(tmp_path)), RecordParameters(str(tmp_path))])
+    # Per optimizer step (H = 3): Lightning's SIGTERM flag broadcast, moved to the first step of each round;
+    # nothing in the middle; one batched point-to-point exchange at the last step. No all-reduce anywhere.
+    expected_calls = [{"broadcast": 1}, {}, {"batch_isend_irecv": 1}] * 3
     for rank in range(4):
         steps = torch.load(tmp_path / f"collectives{rank}.pt", weights_only=False)
-        previous_round = 0
-        for step in steps:
-            calls = {k: v for k, v in step.items() if k != "round"}
-            if step["round"] == previous_round:
-                assert calls == {}, f"rank {rank}: communication inside a round: {calls}"
-            else:
-                assert calls == {"batch_isend_irecv": 1}, calls
-            previous_round = step["round"]
+        assert [{k: v for k, v in step.items() if k != "round"} for step in steps] == expected_calls
     for record in load_ranks(tmp_path, 4):
         expected = record["round_index"] * record["exchanged_numel"] * 4  # one fp32 message to one peer per round
         assert record["round_index"] == 3
@@ -108,7 +113,7 @@ def test_no_collective_between_rounds_and_bytes_match_the_analytic_volume(tmp_pa
 
 @pytest.mark.slow
 def test_diloco_bytes_are_a_ring_all_reduce_per_round(tmp_path, fresh_port):
-    strategy = DiLoCoStrategy(inner_steps=2, start_method="spawn", consensus_every=0)
+    strategy = DiLoCoStrategy(inner_steps=2, start_method="fork", consensus_every=0)
     fit(strategy, tmp_path, devices=2, max_steps=6, callbacks=[RecordParameters(str(tmp_path))])
     for record in load_ranks(tmp_path, 2):
         assert record["bytes_sent"] == 3 * ring_all_reduce_bytes(record["exchanged_numel"] * 4, 2)
@@ -133,7 +138,7 @@ class SkipSomeSteps(Precision):
 
 @pytest.mark.slow
 def test_skipped_optimizer_steps_keep_rounds_aligned(tmp_path, fresh_port):
-    strategy = GASLoCStrategy(topology="one_peer", inner_steps=3, start_method="spawn", gossip_timeout=60.0,
+    strategy = GASLoCStrategy(topology="one_peer", inner_steps=3, start_method="fork", gossip_timeout=60.0,
                               precision_plugin=SkipSomeSteps({(1, 2), (1, 5), (0, 7)}))
     fit(strategy, tmp_path, devices=2, max_steps=9, callbacks=[RecordParameters(str(tmp_path))])
     records = load_ranks(tmp_path, 2)
@@ -143,19 +148,27 @@ def test_skipped_optimizer_steps_keep_rounds_aligned(tmp_path, fresh_port):
 
 @pytest.mark.slow
 def test_partial_final_round_and_consensus_returned_to_main_process(tmp_path, fresh_port):
-    """max_steps not a multiple of H runs a final round; spawn returns the consensus model, not rank 0's."""
-    strategy = GASLoCStrategy(topology="one_peer", inner_steps=4, start_method="spawn", gossip_timeout=60.0)
+    """max_steps not a multiple of H runs a final round; spawn returns the consensus model, not rank 0's.
+
+    No communication (topology "local", eta 1, gamma 0) keeps the replicas apart until the end of fit.
+    """
+    strategy = GASLoCStrategy(topology="local", outer_lr=1.0, outer_momentum=0.0, inner_steps=4,
+                              start_method="spawn", gossip_timeout=60.0)
     model = TinyRegressor()
     fit(strategy, tmp_path, devices=2, max_steps=10, model=model, callbacks=[RecordParameters(str(tmp_path))])
     records = load_ranks(tmp_path, 2)
-    assert [r["round_index"] for r in records] == [3, 3]  # 2 full rounds + the final one of 2 steps
-    consensus = (records[0]["final"] + records[1]["final"]) / 2
+    assert [r["round_index"] for r in records] == [2, 2]  # before the end of fit
+    assert [r["rounds_at_fit_end"] for r in records] == [3, 3]  # 2 full rounds + a final one of 2 steps
     assert not torch.allclose(records[0]["final"], records[1]["final"])
+    consensus = (records[0]["final"] + records[1]["final"]) / 2
+    for record in records:
+        assert torch.allclose(record["after_fit"], consensus, atol=1e-6)
     assert torch.allclose(flat_parameters(model), consensus, atol=1e-6)
 
 
 def test_validation_evaluates_the_consensus_and_logs_the_local_loss(tmp_path, fresh_port):
-    strategy = GASLoCStrategy(topology="one_peer", inner_steps=2, start_method="spawn", gossip_timeout=60.0)
+    # H = 4: validation at steps 3 and 6 falls inside rounds, where the two replicas differ
+    strategy = GASLoCStrategy(topology="one_peer", inner_steps=4, start_method="fork", gossip_timeout=60.0)
     trainer, _ = fit(strategy, tmp_path, devices=2, max_steps=6, limit_val_batches=2, val_check_interval=3,
                      num_sanity_val_steps=0)
     metrics = trainer.callback_metrics

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, fields
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,7 +27,9 @@ from gasloc_lightning.models.gpt import GPT, PRESETS, GPTConfig
 OptimizerFactory = Callable[[Iterable[Any]], Optimizer]
 
 
-def warmup_cosine_factor(step: int, *, warmup_steps: int, max_steps: int | None, min_lr_ratio: float) -> float:
+def warmup_cosine_factor(
+    step: int, *, warmup_steps: int, max_steps: int | None, min_lr_ratio: float
+) -> float:
     """Learning-rate multiplier at optimizer step ``step``.
 
     Linear warmup over ``warmup_steps`` steps, then a cosine decay from 1 to ``min_lr_ratio``
@@ -72,14 +74,23 @@ def parameter_groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _to_config(model: GPTConfig | dict | str) -> GPTConfig:
     if isinstance(model, GPTConfig):
         return model
     if isinstance(model, str):
         return GPTConfig.preset(model)
-    if isinstance(model, dict) or hasattr(model, "items"):  # a dict or an OmegaConf DictConfig
-        return GPTConfig(**dict(model.items()))
-    raise ValueError(f"model must be a GPTConfig, a dict of its fields or one of {sorted(PRESETS)}, got {model!r}")
+    if isinstance(model, Mapping):  # a dict or an OmegaConf DictConfig
+        unknown = set(model) - {field.name for field in fields(GPTConfig)}
+        if unknown:
+            raise ValueError(f"model has unknown GPTConfig fields {sorted(unknown)}")
+        return GPTConfig(**model)
+    raise ValueError(
+        f"model must be a GPTConfig, a dict of its fields or one of {sorted(PRESETS)}, got {model!r}"
+    )
 
 
 class LanguageModel(pl.LightningModule):
@@ -121,16 +132,21 @@ class LanguageModel(pl.LightningModule):
         super().__init__()
         config = _to_config(model)
         if optimizer is not None and not callable(optimizer):
-            raise ValueError(f"optimizer must be a callable returning an Optimizer or None, got {optimizer!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"optimizer must be callable or None, got {optimizer!r}")
+        if not _is_int(warmup_steps) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        if max_steps is not None and (not _is_int(max_steps) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
         # The config is stored as a plain dict so checkpoints load with weights_only=True.
         self.save_hyperparameters(
-            {"model": asdict(config), "warmup_steps": warmup_steps, "max_steps": max_steps, "min_lr_ratio": min_lr_ratio}
+            {
+                "model": asdict(config),
+                "warmup_steps": warmup_steps,
+                "max_steps": max_steps,
+                "min_lr_ratio": min_lr_ratio,
+            }
         )
         self.config = config
         self.model = GPT(config)
@@ -160,7 +176,9 @@ class LanguageModel(pl.LightningModule):
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, self.test_loss, self.test_ppl, prefix="test")
 
-    def _evaluate(self, batch: tuple[Tensor, Tensor], loss_metric: MeanMetric, ppl_metric: Perplexity, prefix: str) -> None:
+    def _evaluate(
+        self, batch: tuple[Tensor, Tensor], loss_metric: MeanMetric, ppl_metric: Perplexity, prefix: str
+    ) -> None:
         x, y = batch  # (B, T), (B, T)
         logits = self(x).float()  # (B, T, V); float32 so the metrics do not round in bf16
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())

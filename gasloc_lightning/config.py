@@ -1,0 +1,221 @@
+"""Structured-config schemas of the experiment app, and where its YAML config tree lives.
+
+Every swappable part of a run is one Hydra config group under ``conf/`` (strategy, topology,
+model, data, trainer, logger, callbacks, experiment, sweep), and every node is a ``_target_``
+to a real class. The dataclasses here are registered in Hydra's ConfigStore under
+``schema/<group>/<name>`` and each YAML option names its schema first in its defaults list
+(``- /schema/strategy@_here_: gasloc``), so composition rejects misspelled keys
+(``strategy.inner_step=5``) and ill-typed values (``strategy.inner_steps=abc``) before
+anything is built. Choice-valued strings the schemas cannot express (OmegaConf has no
+``Literal``) are checked by :func:`check_choices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+import gasloc_lightning
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+OUTER_FORMS = ("anchored", "post_mix")
+
+
+def config_dir() -> Path:
+    """The ``conf/`` tree: next to the package in a repository checkout or an editable install.
+
+    A copy shipped inside the package (``gasloc_lightning/conf``, which pyproject's
+    package-data already covers) is used when there is no repository around it.
+    """
+    package = Path(gasloc_lightning.__file__).resolve().parent
+    for candidate in (package.parent / "conf", package / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"no Hydra config tree found: looked for {package.parent / 'conf'} and {package / 'conf'}; "
+        "install the package editable from its repository (pip install -e .)"
+    )
+
+
+# ------------------------------------------------------------------ strategy and topology
+@dataclass
+class TopologySchema:
+    """A named gossip graph; the class is the topology (``gasloc_lightning.topology.RingTopology``)."""
+
+    _target_: str = MISSING
+    seed: int = 0
+
+
+@dataclass
+class LocalStepsSchema:
+    """Arguments shared by every strategy built on ``LocalStepsStrategy`` (gasloc, diloco, local)."""
+
+    _target_: str = MISSING
+    inner_steps: int = 50
+    outer_lr: float = 0.7
+    gossip_timeout: float = 300.0
+    collective_timeout: Optional[float] = None
+    consensus_every: int = 10
+    bucket_cap_mb: float = 64.0
+    cpu_threads: Any = "auto"  # "auto", null or an int >= 1 (validated by the strategy)
+    start_method: str = "spawn"
+    process_group_backend: Optional[str] = None
+
+
+@dataclass
+class GASLoCStrategySchema(LocalStepsSchema):
+    _target_: str = "gasloc_lightning.GASLoCStrategy"
+    outer_momentum: Optional[float] = None
+    outer_form: str = "anchored"
+    topology: Any = "one_peer"  # a name or a topology node
+    seed: int = 0
+
+
+@dataclass
+class DiLoCoStrategySchema(LocalStepsSchema):
+    _target_: str = "gasloc_lightning.DiLoCoStrategy"
+    outer_momentum: float = 0.9
+
+
+@dataclass
+class DDPStrategySchema:
+    """Lightning's DDP: a gradient all-reduce every optimizer step (the dense baseline)."""
+
+    _target_: str = "lightning.pytorch.strategies.DDPStrategy"
+    start_method: str = "spawn"
+    process_group_backend: Optional[str] = None
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+# ------------------------------------------------------------------ model and data
+@dataclass
+class GPTSchema:
+    _target_: str = "gasloc_lightning.models.GPTConfig"
+    vocab_size: int = 256
+    block_size: int = MISSING
+    n_layer: int = MISSING
+    n_head: int = MISSING
+    n_embd: int = MISSING
+    dropout: float = 0.0
+    bias: bool = False
+
+
+@dataclass
+class AdamWSchema:
+    """The inner optimizer, a partial completed with the parameter groups by the LightningModule."""
+
+    _target_: str = "torch.optim.AdamW"
+    _partial_: bool = True
+    lr: float = 3e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LanguageModelSchema:
+    _target_: str = "gasloc_lightning.models.LanguageModel"
+    model: GPTSchema = field(default_factory=GPTSchema)
+    optimizer: AdamWSchema = field(default_factory=AdamWSchema)
+    warmup_steps: int = 0
+    max_steps: Optional[int] = None  # null: the trainer's max_steps
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class ByteDataSchema:
+    _target_: str = "gasloc_lightning.data.ByteDataModule"
+    source: str = "stdlib"
+    block_size: int = MISSING
+    batch_size: int = 32
+    val_fraction: float = 0.05
+    val_batches: Optional[int] = None
+    cache_dir: Optional[str] = None
+    seed: int = 0
+    num_workers: int = 0
+    samples_per_epoch: Optional[int] = None
+    hf_split: str = "train"
+    hf_text_field: str = "text"
+
+
+# ------------------------------------------------------------------ trainer and the whole run
+@dataclass
+class TrainerSchema:
+    """The subset of ``lightning.pytorch.Trainer`` arguments the app exposes."""
+
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    precision: Any = "32-true"
+    max_steps: int = MISSING
+    val_check_interval: Any = None
+    check_val_every_n_epoch: Optional[int] = None
+    limit_val_batches: Any = None
+    num_sanity_val_steps: int = 0
+    log_every_n_steps: int = 1
+    gradient_clip_val: Optional[float] = None
+    accumulate_grad_batches: int = 1
+    enable_checkpointing: bool = False
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    use_distributed_sampler: bool = False
+    deterministic: Any = False
+    benchmark: Optional[bool] = None
+    default_root_dir: Optional[str] = None
+
+
+@dataclass
+class TrainSchema:
+    """The composed run: one node per group plus the few values several groups share."""
+
+    strategy: Any = MISSING
+    topology: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    trainer: Any = MISSING
+    logger: Optional[Dict[str, Any]] = None
+    callbacks: Optional[Dict[str, Any]] = None
+    seed: int = 0
+    inner_steps: int = 50  # H, shared by gasloc, diloco and local so a sweep over strategies keeps it
+    cache_dir: str = "~/.cache/gasloc-lightning"
+    output_dir: str = MISSING
+
+
+_SCHEMAS: dict[tuple[str, str], type] = {
+    ("schema", "train"): TrainSchema,
+    ("schema/strategy", "gasloc"): GASLoCStrategySchema,
+    ("schema/strategy", "diloco"): DiLoCoStrategySchema,
+    ("schema/strategy", "ddp"): DDPStrategySchema,
+    ("schema/topology", "topology"): TopologySchema,
+    ("schema/model", "language_model"): LanguageModelSchema,
+    ("schema/data", "bytes"): ByteDataSchema,
+    ("schema/trainer", "trainer"): TrainerSchema,
+}
+
+
+def register_schemas() -> None:
+    """Store every schema in Hydra's ConfigStore (idempotent; done on import)."""
+    store = ConfigStore.instance()
+    for (group, name), node in _SCHEMAS.items():
+        store.store(group=group, name=name, node=node)
+
+
+def check_choices(cfg: DictConfig) -> None:
+    """Refuse choice-valued strings outside their allowed values, naming the key."""
+    strategy = cfg.strategy
+    start_method = strategy.get("start_method")
+    if start_method not in START_METHODS:
+        raise ValueError(f"strategy.start_method must be one of {START_METHODS}, got {start_method!r}")
+    outer_form = strategy.get("outer_form", "anchored")
+    if outer_form not in OUTER_FORMS:
+        raise ValueError(f"strategy.outer_form must be one of {OUTER_FORMS}, got {outer_form!r}")
+
+
+register_schemas()

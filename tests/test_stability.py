@@ -1,0 +1,201 @@
+"""Consensus stability: mode matrices, exact and simulated rates, ALGORITHM.md oracles 5-7."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from gasloc_lightning import stability
+from gasloc_lightning.stability import (
+    SWITCHING_SAFE_MOMENTUM,
+    consensus_rate_fixed,
+    consensus_rate_periodic,
+    consensus_rate_simulated,
+    disagreement_eigenvalues,
+    disagreement_trajectory,
+    max_stable_momentum,
+    mode_matrix,
+    periodic_mode_eigenvalues,
+)
+from gasloc_lightning.topology import ExponentialTopology, OnePeerTopology, RingTopology, build_topology
+
+RING_16 = RingTopology().mixing_matrix(16, 0)
+
+
+def rounds_to(trajectory: torch.Tensor, level: float = 1e-6) -> int:
+    below = (trajectory < level).nonzero()
+    return int(below[0]) if len(below) else len(trajectory)
+
+
+def fixed(matrix: torch.Tensor):
+    return lambda t: matrix
+
+
+def schedule(name: str, n: int, seed: int = 0):
+    topology = build_topology(name, seed=seed)
+    return lambda t: topology.mixing_matrix(n, t)
+
+
+def stacked_round(theta, x, W, gamma, form):
+    """One round written exactly as ALGORITHM.md states it (z = theta: no gradients)."""
+    if form == "anchored":
+        u = theta + gamma * (theta - x)
+        theta_next = W @ u
+        return theta_next, theta + (theta_next - u) / (1 + gamma)
+    x_next = W @ theta
+    return x_next + gamma * (x_next - x), x_next
+
+
+@pytest.mark.parametrize("form", stability.UPDATE_FORMS)
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9])
+def test_mode_matrix_is_the_stacked_round_on_an_eigenvector(form, gamma):
+    eigenvalues, vectors = torch.linalg.eigh(RING_16)
+    theta, x = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    theta_next, x_next = stacked_round(theta, x, RING_16, gamma, form)
+    for lam, v in zip(eigenvalues, vectors.T):
+        M = mode_matrix(float(lam), gamma, form)
+        assert M.shape == (2, 2) and M.dtype == torch.float64
+        expected = M @ torch.stack([v @ theta, v @ x])
+        torch.testing.assert_close(torch.stack([v @ theta_next, v @ x_next]), expected)
+
+
+def test_mode_matrix_values():
+    torch.testing.assert_close(
+        mode_matrix(0.5, 0.5), torch.tensor([[0.75, -0.25], [0.5, 1 / 6]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        mode_matrix(0.5, 0.5, "post_mix"), torch.tensor([[0.75, -0.5], [0.5, 0.0]], dtype=torch.float64)
+    )
+
+
+def test_disagreement_eigenvalues_drop_only_the_consensus_direction():
+    assert disagreement_eigenvalues(RING_16).max() == pytest.approx(0.9619397662556434)
+    two_rings = torch.block_diag(RingTopology().mixing_matrix(4, 0), RingTopology().mixing_matrix(4, 0))
+    assert (disagreement_eigenvalues(two_rings) > 1 - 1e-12).sum() == 1
+    assert consensus_rate_fixed(two_rings, 0.5) == 1.0
+    assert consensus_rate_fixed(two_rings, 0.0, "post_mix") == 1.0
+    with pytest.raises(ValueError, match="symmetric"):
+        disagreement_eigenvalues(torch.tensor([[0.5, 0.5], [0.25, 0.75]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="doubly stochastic"):
+        disagreement_eigenvalues(torch.eye(3, dtype=torch.float64) * 0.5)
+
+
+@pytest.mark.parametrize("form", stability.UPDATE_FORMS)
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.9])
+def test_exact_fixed_rate_matches_simulation(form, gamma):
+    exact = consensus_rate_fixed(RING_16, gamma, form)
+    simulated = consensus_rate_simulated(fixed(RING_16), 16, gamma, form, rounds=300, seeds=(0, 1))
+    assert simulated == pytest.approx(exact, rel=0.01)
+
+
+@pytest.mark.parametrize(("n", "gamma"), [(16, 0.9), (64, 0.75), (64, 0.82)])
+def test_exact_periodic_rate_matches_simulation(n, gamma):
+    topology = ExponentialTopology()
+    period = [topology.mixing_matrix(n, t) for t in range(topology.schedule_period(n))]
+    exact = consensus_rate_periodic(period, gamma)
+    simulated = consensus_rate_simulated(schedule("exponential", n), n, gamma, rounds=240, seeds=(0,))
+    assert simulated == pytest.approx(exact, rel=0.01)
+
+
+def test_periodic_schedule_must_commute():
+    ring, matching = RingTopology().mixing_matrix(4, 0), OnePeerTopology(seed=1).mixing_matrix(4, 0)
+    torch.testing.assert_close(periodic_mode_eigenvalues([RING_16]).squeeze(1), disagreement_eigenvalues(RING_16))
+    with pytest.raises(ValueError, match="commute"):
+        periodic_mode_eigenvalues([matching, RingTopology().mixing_matrix(4, 0) @ torch.eye(4).double(), ring])
+    with pytest.raises(ValueError, match="commute"):
+        periodic_mode_eigenvalues([torch.eye(4).double() * 0.0 + 0.25, custom_non_commuting()])
+
+
+def custom_non_commuting() -> torch.Tensor:
+    W = torch.eye(4, dtype=torch.float64)
+    W[0, 0] = W[1, 1] = 0.6
+    W[0, 1] = W[1, 0] = 0.4
+    return W
+
+
+def test_complete_graph_has_rate_zero():
+    W = torch.full((8, 8), 1 / 8, dtype=torch.float64)
+    for form in stability.UPDATE_FORMS:
+        assert consensus_rate_fixed(W, 0.9, form) == 0.0
+    assert consensus_rate_fixed(torch.ones(1, 1, dtype=torch.float64), 0.9) == 0.0
+
+
+def test_post_mix_fixed_graph_condition():
+    """post_mix on a fixed W is stable iff lambda_min(W) > -1/(1 + 2 gamma)."""
+    W = torch.tensor([[0.25, 0.75], [0.75, 0.25]], dtype=torch.float64)  # lambda = 1, -1/2
+    assert consensus_rate_fixed(W, 0.45, "post_mix") < 1.0
+    assert consensus_rate_fixed(W, 0.55, "post_mix") > 1.0
+    assert max_stable_momentum(lambda g: consensus_rate_fixed(W, g, "post_mix")) == pytest.approx(0.5, abs=1e-3)
+
+
+def test_max_stable_momentum_bisection():
+    assert max_stable_momentum(lambda g: g / 0.6) == pytest.approx(0.6, abs=1e-3)
+    assert max_stable_momentum(lambda g: g / 0.6) < 0.6
+    assert max_stable_momentum(lambda g: 0.5) == 0.999
+    assert max_stable_momentum(lambda g: 1.0) is None
+
+
+def test_simulated_rate_is_deterministic_and_validated():
+    sample = schedule("one_peer", 16, seed=2)
+    assert consensus_rate_simulated(sample, 16, 0.9) == consensus_rate_simulated(sample, 16, 0.9)
+    with pytest.raises(ValueError, match="form"):
+        consensus_rate_simulated(sample, 16, 0.9, form="heavy_ball")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="outer_momentum"):
+        consensus_rate_simulated(sample, 16, -0.1)
+    with pytest.raises(ValueError, match="rounds"):
+        consensus_rate_simulated(sample, 16, 0.5, rounds=2)
+
+
+@pytest.mark.parametrize(("n", "median_rounds"), [(16, 93), (64, 118)])
+def test_oracle_5_one_peer_anchored_converges_post_mix_blows_up(n, median_rounds):
+    reached = []
+    for seed in range(5):
+        trajectory = disagreement_trajectory(schedule("one_peer", n, seed), n, 0.9, rounds=200, seed=seed)
+        reached.append(rounds_to(trajectory))
+    assert max(reached) < 200  # ALGORITHM.md: within 600 rounds
+    assert statistics.median(reached) == pytest.approx(median_rounds, rel=0.2)
+    post_mix = disagreement_trajectory(schedule("one_peer", n), n, 0.9, "post_mix", rounds=600)
+    assert post_mix[-1] > 1e3
+
+
+def test_oracle_5_one_peer_anchored_rate():
+    assert OnePeerTopology().consensus_rate(16, 0.95) < 1.0
+    assert OnePeerTopology().consensus_rate(16, 0.9, "post_mix") > 1.0
+
+
+def test_oracle_6_hypercube():
+    topology = ExponentialTopology()
+    assert topology.consensus_rate(64, 0.75) < 1.0 < topology.consensus_rate(64, 0.82)
+    assert topology.consensus_rate(16, 0.9) < 1.0
+    assert disagreement_trajectory(schedule("exponential", 64), 64, 0.75, rounds=600)[-1] < 1e-4
+    assert disagreement_trajectory(schedule("exponential", 64), 64, 0.82, rounds=600)[-1] > 1e3
+    assert disagreement_trajectory(schedule("exponential", 16), 16, 0.9, rounds=600)[-1] < 1e-6
+    # gamma = 0: exact consensus after log2 n rounds
+    assert disagreement_trajectory(schedule("exponential", 16), 16, 0.0, rounds=4)[-1] < 1e-14
+
+
+def test_oracle_7_ring_of_16():
+    assert rounds_to(disagreement_trajectory(fixed(RING_16), 16, 0.9, rounds=200)) < 200
+    plain = disagreement_trajectory(fixed(RING_16), 16, 0.0, "post_mix", rounds=400)
+    assert float(plain[-1] / plain[-2]) == pytest.approx(0.9619, abs=1e-4)
+    assert consensus_rate_fixed(RING_16, 0.0, "post_mix") == pytest.approx(0.9619, abs=1e-4)
+    accelerated = [
+        rounds_to(disagreement_trajectory(fixed(RING_16), 16, 0.674, "post_mix", rounds=400, seed=s))
+        for s in range(3)
+    ]
+    slow = [rounds_to(disagreement_trajectory(fixed(RING_16), 16, 0.0, "post_mix", rounds=400, seed=s)) for s in range(3)]
+    assert statistics.mean(accelerated) == pytest.approx(73, rel=0.15)
+    assert statistics.mean(slow) == pytest.approx(339, rel=0.15)
+
+
+def test_switching_safe_momentum_holds_on_mixed_non_commuting_schedules():
+    """gamma = 0.44 contracts when fixed, random and hypercube PSD graphs alternate arbitrarily."""
+    n = 16
+    graphs = [build_topology(name, seed=1) for name in ("one_peer", "two_peer", "ring", "torus", "exponential")]
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(graphs), (400,), generator=generator).tolist()
+    mixed = lambda t: graphs[picks[t]].mixing_matrix(n, t)  # noqa: E731
+    assert SWITCHING_SAFE_MOMENTUM == 0.44
+    assert consensus_rate_simulated(mixed, n, SWITCHING_SAFE_MOMENTUM, rounds=100, seeds=(0, 1, 2, 3)) < 1.0

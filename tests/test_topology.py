@@ -1,0 +1,296 @@
+"""Topologies: weights every rank agrees on, doubly stochastic W, spectral gaps, defaults, errors."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from gasloc_lightning import stability
+from gasloc_lightning.topology import (
+    TOPOLOGIES,
+    CustomTopology,
+    ExponentialTopology,
+    OnePeerTopology,
+    RingTopology,
+    Topology,
+    TopologyError,
+    TwoPeerTopology,
+    build_topology,
+    torus_shape,
+)
+
+NAMED = ["one_peer", "two_peer", "ring", "torus", "exponential", "complete", "local"]
+SIZES = [1, 2, 3, 4, 5, 6, 8, 9, 12, 16]
+
+
+def valid_sizes(name: str, sizes: list[int] = SIZES) -> list[int]:
+    out = []
+    for n in sizes:
+        try:
+            build_topology(name).check_world_size(n)
+        except ValueError:
+            continue
+        out.append(n)
+    return out
+
+
+CASES = [(name, n) for name in NAMED for n in valid_sizes(name)]
+
+
+def views(name: str, n: int, round_index: int, seed: int = 7) -> list[dict[int, float]]:
+    """Each rank's weights from its own topology object, as separate processes would compute them."""
+    return [build_topology(name, seed=seed).mixing_weights(rank, n, round_index) for rank in range(n)]
+
+
+def custom_ring_of_16() -> CustomTopology:
+    return CustomTopology([(i, (i + 1) % 16, 0.25) for i in range(16)], world_size=16)
+
+
+@pytest.mark.parametrize(("name", "n"), CASES)
+def test_every_rank_computes_the_same_symmetric_weights(name, n):
+    for t in range(4):
+        weights = views(name, n, t)
+        for i, peers in enumerate(weights):
+            assert i not in peers
+            assert all(0.0 < w <= 1.0 for w in peers.values())
+            assert sum(peers.values()) <= 1.0 + 1e-12
+            for j, w in peers.items():
+                assert 0 <= j < n
+                assert weights[j].get(i) == pytest.approx(w, abs=1e-15), f"w_{i}{j} != w_{j}{i} in round {t}"
+
+
+@pytest.mark.parametrize(("name", "n"), CASES)
+def test_mixing_matrix_is_symmetric_doubly_stochastic_and_matches_the_weights(name, n):
+    topology = build_topology(name, seed=3)
+    for t in range(3):
+        W = topology.mixing_matrix(n, t)
+        assert W.dtype == torch.float64 and W.shape == (n, n)
+        torch.testing.assert_close(W, W.T, rtol=0, atol=1e-15)
+        torch.testing.assert_close(W.sum(dim=1), torch.ones(n, dtype=torch.float64), rtol=0, atol=1e-12)
+        assert W.min() >= 0.0
+        for i, peers in enumerate(topology.mixing_weights(i, n, t) for i in range(n)):
+            expected = {j: float(W[i, j]) for j in range(n) if j != i and W[i, j] != 0}
+            assert peers == pytest.approx(expected)
+        torch.testing.assert_close(topology.mixing_matrix(n, t, sparse=True).to_dense(), W)
+
+
+@pytest.mark.parametrize("name", ["one_peer", "two_peer"])
+def test_random_schedules_are_seeded_and_vary(name):
+    n = 16
+    same = [views(name, n, t, seed=1) for t in range(6)]
+    assert same == [views(name, n, t, seed=1) for t in range(6)]
+    assert len({str(v) for v in same}) > 1, "the graph should change from round to round"
+    assert views(name, n, 0, seed=1) != views(name, n, 0, seed=2)
+
+
+def test_one_peer_schedule_is_pinned():
+    """A golden fixture: changing how matchings are drawn breaks resumed and mixed-version runs."""
+    partners = [next(iter(OnePeerTopology(seed=0).mixing_weights(i, 8, 0))) for i in range(8)]
+    assert partners == [5, 4, 3, 2, 1, 0, 7, 6]
+
+
+def test_one_peer_matchings_are_uniform():
+    topology = OnePeerTopology(seed=0)
+    # rank 0 meets each of the three others with probability 1/3
+    counts = Counter(next(iter(topology.mixing_weights(0, 4, t))) for t in range(600))
+    assert set(counts) == {1, 2, 3}
+    assert all(150 <= c <= 250 for c in counts.values())
+
+
+@pytest.mark.parametrize("n", [3, 5, 9])
+def test_one_peer_odd_world_size_leaves_exactly_one_rank_out(n):
+    topology = OnePeerTopology(seed=5)
+    sitting_out = []
+    for t in range(30):
+        out = [rank for rank in range(n) if topology.mixing_weights(rank, n, t) == {}]
+        assert len(out) == 1
+        sitting_out += out
+    assert len(set(sitting_out)) > 1
+
+
+def test_coinciding_edges_add_up():
+    assert RingTopology().mixing_weights(0, 2, 0) == {1: 0.5}
+    assert build_topology("torus").mixing_weights(0, 4, 0) == {2: 0.25, 1: 0.25}
+    assert build_topology("torus").mixing_weights(0, 6, 0) == {3: 0.25, 2: 0.125, 1: 0.125}
+
+
+def test_torus_shape_is_most_square():
+    assert torus_shape(12) == (3, 4)
+    assert torus_shape(16) == (4, 4)
+    assert torus_shape(6) == (2, 3)
+    assert torus_shape(7) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "match"),
+    [("two_peer", 2, "two_peer.*2"), ("exponential", 6, "exponential.*6"), ("torus", 7, "torus.*7.*ring"),
+     ("torus", 2, "torus"), ("ring", 0, "world_size")],
+)
+def test_impossible_world_sizes_are_refused(name, n, match):
+    topology = build_topology(name)
+    with pytest.raises(TopologyError, match=match):
+        topology.check_world_size(n)
+    with pytest.raises(ValueError):
+        topology.mixing_matrix(n, 0)
+
+
+def test_build_topology():
+    assert set(TOPOLOGIES) == set(NAMED) | {"custom"}
+    assert isinstance(build_topology("One_Peer", seed=4), OnePeerTopology)
+    assert build_topology("one_peer", seed=4).seed == 4
+    instance = TwoPeerTopology(seed=9)
+    assert build_topology(instance) is instance
+    with pytest.raises(ValueError, match="valid names.*one_peer"):
+        build_topology("star")
+    with pytest.raises(ValueError, match="CustomTopology"):
+        build_topology("custom")
+    with pytest.raises(TypeError):
+        build_topology(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seed"):
+        OnePeerTopology(seed="0")  # type: ignore[arg-type]
+
+
+def test_flags():
+    assert build_topology("complete").uses_all_reduce
+    assert not any(build_topology(name).uses_all_reduce for name in NAMED if name != "complete")
+    assert {name for name in NAMED if build_topology(name).time_varying} == {"one_peer", "two_peer", "exponential"}
+
+
+def test_custom_topology_accepts_both_spellings():
+    as_list = CustomTopology([(0, 1, 0.5), (1, 2, 0.25), (2, 1, 0.25)])
+    as_map = CustomTopology({(0, 1): 0.5, (2, 1): 0.25})
+    torch.testing.assert_close(as_list.mixing_matrix(3, 0), as_map.mixing_matrix(3, 5))
+    assert as_list.edges == {(0, 1): 0.5, (1, 2): 0.25}
+    assert as_list.mixing_weights(1, 3, 0) == {0: 0.5, 2: 0.25}
+
+
+@pytest.mark.parametrize(
+    ("edges", "kwargs", "match"),
+    [
+        ([(0, 1, 0.5), (1, 0, 0.25)], {}, r"edge \(1, 0\) given twice"),
+        ([(0, 1, 0.0)], {}, r"edge \(0, 1\).*weight"),
+        ([(0, 1, -0.1)], {}, r"edge \(0, 1\).*weight"),
+        ([(0, 0, 0.5)], {}, r"edge \(0, 0\)"),
+        ([(0, 1, 0.75), (1, 2, 0.5)], {}, r"rank 1 .* > 1"),
+        ([(0, 1, 0.5), (1, 5, 0.25)], {"world_size": 4}, r"edge \(1, 5\).*world_size 4"),
+        ([(0, 1)], {}, "each edge"),
+    ],
+)
+def test_custom_topology_validation(edges, kwargs, match):
+    with pytest.raises(TopologyError, match=match):
+        CustomTopology(edges, **kwargs)
+
+
+def test_custom_topology_world_size_checks():
+    path = CustomTopology([(0, 1, 0.5), (1, 2, 0.25)])
+    path.check_world_size(3)
+    with pytest.raises(TopologyError, match="not connected.*3"):
+        CustomTopology([(0, 1, 0.5), (2, 3, 0.5)]).check_world_size(4)
+    with pytest.raises(TopologyError, match=r"edge \(1, 2\).*world_size 2"):
+        path.check_world_size(2)
+    with pytest.raises(TopologyError, match="not connected"):
+        path.check_world_size(4)
+    with pytest.raises(TopologyError, match="built for world_size 16"):
+        custom_ring_of_16().check_world_size(8)
+
+
+def test_spectral_gaps():
+    assert 1.0 - RingTopology().spectral_gap(16) == pytest.approx(0.9619, abs=1e-4)  # oracle 7
+    assert custom_ring_of_16().spectral_gap(16) == pytest.approx(RingTopology().spectral_gap(16))
+    assert build_topology("complete").spectral_gap(8) == pytest.approx(1.0)
+    assert build_topology("local").spectral_gap(8) == 0.0
+    for n in (4, 16, 64):
+        assert ExponentialTopology().spectral_gap(n) == pytest.approx(1.0 / math.log2(n))
+    assert build_topology("torus").spectral_gap(16) == pytest.approx(0.25)
+
+
+class Sampled(Topology):
+    """A user-defined time-varying topology: gets the generic, sampled spectral gap."""
+
+    name = "sampled"
+    time_varying = True
+
+    def __init__(self, inner: Topology) -> None:
+        super().__init__(seed=inner.seed)
+        self.inner = inner
+
+    def mixing_weights(self, rank, world_size, round_index):
+        return self.inner.mixing_weights(rank, world_size, round_index)
+
+
+@pytest.mark.parametrize("name", ["one_peer", "two_peer"])
+@pytest.mark.parametrize("n", [5, 8])
+def test_exact_random_graph_gaps_match_sampled_estimates(name, n):
+    exact = build_topology(name).spectral_gap(n)
+    assert 0.0 < exact <= 1.0
+    assert Sampled(build_topology(name)).spectral_gap(n) == pytest.approx(exact, abs=0.06)
+
+
+def test_hypercube_rate_matches_the_generic_periodic_computation():
+    topology = ExponentialTopology()
+    matrices = [topology.mixing_matrix(16, t) for t in range(4)]
+    for gamma in (0.0, 0.5, 0.9):
+        for form in stability.UPDATE_FORMS:
+            expected = stability.consensus_rate_periodic(matrices, gamma, form)
+            assert topology.consensus_rate(16, gamma, form) == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize(("name", "n"), [case for case in CASES if case[1] in (2, 3, 4, 8, 16)])
+def test_default_momentum_is_stable(name, n):
+    topology = build_topology(name)
+    gamma = topology.default_outer_momentum(n)
+    assert 0.0 <= gamma < 1.0
+    if name == "local":
+        assert gamma == 0.0 and topology.consensus_rate(n, 0.5) == 1.0
+        assert topology.max_stable_momentum(n) is None
+        return
+    assert gamma == 0.9
+    assert topology.consensus_rate(n, gamma) < 1.0
+    assert topology.is_positive_semidefinite(n)
+
+
+def test_exponential_defaults_and_limits():
+    topology = ExponentialTopology()
+    assert [topology.default_outer_momentum(n) for n in (16, 32, 64, 1024)] == [0.9, 0.7, 0.7, 0.7]
+    assert topology.consensus_rate(1024, 0.7) < 1.0
+    assert topology.max_stable_momentum(16) == pytest.approx(0.999)
+    assert topology.max_stable_momentum(32) == pytest.approx(0.848, abs=0.01)
+    assert topology.max_stable_momentum(64) == pytest.approx(0.786, abs=0.01)
+
+
+def test_complete_graph_is_exact_consensus():
+    topology = build_topology("complete")
+    for form in stability.UPDATE_FORMS:
+        assert topology.consensus_rate(8, 0.9, form) == 0.0
+    assert topology.max_stable_momentum(8) == pytest.approx(0.999)
+
+
+def test_unstable_default_falls_back_inside_the_stability_region():
+    # lambda_min(W) = -1/2: post_mix is stable only for gamma < 1/2.
+    topology = CustomTopology([(0, 1, 0.75)])
+    assert not topology.is_positive_semidefinite(2)
+    assert topology.max_stable_momentum(2, "post_mix") == pytest.approx(0.5, abs=2e-3)
+    gamma = topology.default_outer_momentum(2, "post_mix")
+    assert gamma == pytest.approx(0.45, abs=2e-3)
+    assert topology.consensus_rate(2, gamma, "post_mix") < 1.0
+    assert topology.default_outer_momentum(2) == 0.9
+
+
+def test_rate_arguments_are_validated():
+    topology = RingTopology()
+    with pytest.raises(ValueError, match="outer_momentum"):
+        topology.consensus_rate(8, 1.0)
+    with pytest.raises(ValueError, match="form"):
+        topology.consensus_rate(8, 0.5, "nesterov")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="two_peer"):
+        TwoPeerTopology().consensus_rate(2, 0.5)
+
+
+def test_world_size_one_has_no_peers():
+    for name in NAMED:
+        topology = build_topology(name)
+        assert topology.mixing_weights(0, 1, 0) == {}
+        torch.testing.assert_close(topology.mixing_matrix(1, 0), torch.ones(1, 1, dtype=torch.float64))
