@@ -75,7 +75,7 @@ def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
             runs = sorted((p.parent for p in path.rglob(SUMMARY_FILE)), key=_natural_key)
         if not runs:
             raise FileNotFoundError(f"no finished run under {path} (no {SUMMARY_FILE}; did the run end?)")
-        found.extend(runs)
+        found.extend(run for run in runs if run.resolve() not in {f.resolve() for f in found})
     return found
 
 
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or (args.run_dirs[0] if len(args.run_dirs) == 1 else "comparison")
     try:
         result = compare(args.run_dirs, out, plots=not args.no_plots)
-    except (FileNotFoundError, DuplicateRunError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # DuplicateRunError is a ValueError
         print(f"gasloc-compare: error: {error}", file=sys.stderr)
         return 2
     print(result.table)

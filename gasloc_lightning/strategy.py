@@ -482,7 +482,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             return
         self._topology.check_world_size(world_size)
         if self._requested_momentum is None:
-            self._outer_momentum = self._topology.default_outer_momentum(world_size)
+            self._outer_momentum = self._topology.default_outer_momentum(world_size, self._outer_form)
         if self._topology.name == "local":
             return
         self._check_stability(world_size)
@@ -492,10 +492,10 @@ class GASLoCStrategy(LocalStepsStrategy):
         rate = self._topology.consensus_rate(world_size, gamma, form)
         if rate >= 1.0:
             limit = self._topology.max_stable_momentum(world_size, form)
+            advice = "no gamma is stable" if limit is None else f"the largest stable gamma is about {limit:.3f}"
             raise ValueError(
                 f"outer_momentum (gamma) = {gamma} is unstable for topology {self._topology.name!r} with "
-                f"{world_size} workers and outer_form={form!r} (consensus rate {rate:.4f} >= 1): the largest "
-                f"stable gamma is about {limit:.3f}"
+                f"{world_size} workers and outer_form={form!r} (consensus rate {rate:.4f} >= 1): {advice}"
             )
         if type(self._topology).__module__ != "gasloc_lightning.topology" and self._topology.time_varying:
             if gamma > SWITCHING_SAFE_MOMENTUM:

@@ -94,6 +94,7 @@ class RecordParameters(Callback):
             "round_index": strategy.round_index,
             "exchanged_numel": strategy.layout.numel,
             "global_step": trainer.global_step,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
         }
         self._record = record
 
@@ -141,3 +142,49 @@ class CountCollectives(Callback):
 
 def load_ranks(out_dir, world_size: int, prefix: str = "rank") -> list:
     return [torch.load(Path(out_dir) / f"{prefix}{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+class ManualRegressor(TinyRegressor):
+    """Manual optimization with one optimizer: the strategy still counts one step per ``opt.step()``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self.compute_loss(batch)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+class ScheduledRegressor(TinyRegressor):
+    """An inner LR scheduler stepped every optimizer step."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.inner_lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class PerRankWeights(TinyRegressor):
+    """Each rank sets its own weights in ``setup`` (as a per-rank checkpoint would) and records what it evaluates."""
+
+    def __init__(self, out_dir: str, **kwargs):
+        super().__init__(**kwargs)
+        self.out_dir = out_dir
+
+    def setup(self, stage):
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(0.1 * (self.global_rank + 1))
+        self.before = flat_parameters(self)
+
+    def on_validation_start(self):
+        self.evaluated = flat_parameters(self)
+
+    def on_validation_end(self):  # module hooks run after every callback's: the replica is back
+        record = {"before": self.before, "evaluated": self.evaluated, "after": flat_parameters(self)}
+        torch.save(record, Path(self.out_dir) / f"validate{self.global_rank}.pt")

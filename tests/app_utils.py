@@ -1,0 +1,75 @@
+"""Helpers for the experiment-app tests: composing configs, quick overrides, and one shared sweep."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from gasloc_lightning.config import config_dir
+
+CONF = config_dir()
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+# A few steps of the tiny model on 2 CPU workers, whatever the experiment asked for.
+QUICK = [
+    "trainer=cpu",
+    "model=tiny",
+    "data=stdlib",
+    "trainer.devices=2",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.enable_progress_bar=false",
+    "inner_steps=2",
+    "data.batch_size=4",
+    "data.val_batches=1",
+    "callbacks.lr_monitor=null",
+]
+
+_cache: dict[str, Path] = {}
+
+
+def compose_config(overrides: list[str], output_dir: Path | None = None, cache_dir: Path | None = None) -> DictConfig:
+    """The composed ``train`` config with ``overrides`` (output_dir and cache_dir pointed into the test's folders)."""
+    extra = [f"output_dir={output_dir}"] if output_dir is not None else []
+    extra += [f"cache_dir={cache_dir}"] if cache_dir is not None else []
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=[*overrides, *extra])
+
+
+def shared_cache_dir(tmp_path_factory) -> Path:
+    """One byte cache for the whole session (building it once is enough)."""
+    if "cache" not in _cache:
+        _cache["cache"] = tmp_path_factory.mktemp("byte_cache")
+    return _cache["cache"]
+
+
+def clean_env() -> dict[str, str]:
+    """The environment for an app subprocess: no MASTER_PORT, so every job picks a free port itself."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONWARNINGS"] = "ignore::DeprecationWarning"
+    return env
+
+
+def run_app(args: list[str], cwd: Path, timeout: float = 400, executable: list[str] | None = None):
+    """Run ``python -m gasloc_lightning.train ARGS`` (or ``executable``) in ``cwd``; output captured."""
+    command = (executable or [sys.executable, "-m", "gasloc_lightning.train"]) + args
+    return subprocess.run(command, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def finished_sweep(tmp_path_factory) -> Path:
+    """A real 2-job x 2-worker sweep (diloco, ddp), run once per session; returns its folder."""
+    if "sweep" not in _cache:
+        root = tmp_path_factory.mktemp("sweep_cwd")
+        sweep_dir = root / "sweep"
+        args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, f"cache_dir={shared_cache_dir(tmp_path_factory)}",
+                f"hydra.sweep.dir={sweep_dir}"]
+        result = run_app(args, cwd=root)
+        assert result.returncode == 0, f"sweep failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        _cache["sweep"] = sweep_dir
+        _cache["sweep_output"] = root
+    return _cache["sweep"]

@@ -1,0 +1,128 @@
+"""The config tree composes, every node points at a real class, and bad configs fail with clear errors."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from app_utils import CONF, EXPERIMENTS, compose_config
+from gasloc_lightning.train import Budget, check_budget, train
+
+GROUPS = ("strategy", "topology", "model", "data", "trainer", "logger", "callbacks", "sweep")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _targets(node) -> list[str]:
+    if isinstance(node, DictConfig):
+        own = [node["_target_"]] if "_target_" in node else []
+        return own + [t for key in node if key != "_target_" for t in _targets(node._get_node(key))]
+    if isinstance(node, ListConfig):
+        return [t for item in node for t in _targets(item)]
+    return []
+
+
+def test_every_group_has_its_options():
+    assert set(_options("strategy")) >= {"gasloc", "diloco", "ddp", "local"}
+    assert set(_options("topology")) >= {"one_peer", "two_peer", "ring", "torus", "exponential", "complete", "local"}
+    assert set(_options("model")) >= {"tiny", "small", "gpt2_125m"}
+    assert set(_options("data")) >= {"stdlib", "text", "hf"}
+    assert set(_options("trainer")) >= {"cpu", "gpu"}
+    assert set(_options("logger")) >= {"csv", "tensorboard"}
+    assert "compare" in _options("sweep")
+    assert "demo" in EXPERIMENTS
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=lambda v: v if isinstance(v, str) else None
+)
+def test_every_option_composes_and_targets_real_classes(group, option, tmp_path):
+    overrides = [f"{group}={option}"] + (["data.source=/some/corpus.txt"] if option == "text" else [])
+    cfg = compose_config(overrides, output_dir=tmp_path)
+    for target in _targets(cfg):
+        assert callable(get_object(target)), target
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_states_its_token_arithmetic(experiment, tmp_path):
+    text = (CONF / "experiment" / f"{experiment}.yaml").read_text()
+    assert text.startswith("# @package _global_")
+    assert "Token arithmetic" in text
+    cfg = compose_config([f"experiment={experiment}"], output_dir=tmp_path)
+    for target in _targets(cfg):
+        assert callable(get_object(target)), target
+    check_budget(cfg.trainer)
+    assert cfg.data.block_size == cfg.model.model.block_size
+    assert cfg.trainer.max_steps % cfg.inner_steps == 0  # whole rounds only
+
+
+def test_demo_budget_is_the_documented_one(tmp_path):
+    cfg = compose_config(["experiment=demo"], output_dir=tmp_path)
+    budget = Budget(workers=cfg.trainer.devices, steps=cfg.trainer.max_steps, batch_size=cfg.data.batch_size,
+                    block_size=cfg.data.block_size, inner_steps=cfg.inner_steps)
+    assert (budget.tokens_per_step, budget.tokens, budget.rounds) == (4096, 409_600, 20)
+    assert budget.rounds >= 20
+
+
+def test_every_strategy_shares_H_and_spawns(tmp_path):
+    for strategy in ("gasloc", "diloco", "local"):
+        cfg = compose_config([f"strategy={strategy}", "inner_steps=7"], output_dir=tmp_path)
+        assert cfg.strategy.inner_steps == 7
+        assert cfg.strategy.start_method == "spawn"
+    assert compose_config(["strategy=ddp"], output_dir=tmp_path).strategy.start_method == "spawn"
+
+
+def test_topology_option_reaches_the_gasloc_strategy(tmp_path):
+    cfg = compose_config(["topology=ring"], output_dir=tmp_path)
+    assert OmegaConf.to_container(cfg.strategy, resolve=True)["topology"]["_target_"].endswith("RingTopology")
+
+
+def test_unknown_option_names_the_available_ones(tmp_path):
+    with pytest.raises(MissingConfigException, match="(?s)strategy/gosip.*gasloc"):
+        compose_config(["strategy=gosip"], output_dir=tmp_path)
+
+
+def test_schema_rejects_misspelled_keys(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="inner_step"):
+        compose_config(["strategy.inner_step=3"], output_dir=tmp_path)
+
+
+def test_schema_rejects_wrong_types(tmp_path):
+    with pytest.raises(ConfigCompositionException, match="max_steps"):
+        compose_config(["trainer.max_steps=many"], output_dir=tmp_path)
+
+
+def test_bad_choice_is_refused_before_launch(tmp_path):
+    cfg = compose_config(["strategy.start_method=thread"], output_dir=tmp_path)
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        train(cfg)
+
+
+def test_zero_step_budget_is_refused_before_launch(tmp_path):
+    cfg = compose_config(["trainer.max_steps=0"], output_dir=tmp_path)
+    with pytest.raises(ValueError, match="max_steps=0.*zero steps"):
+        train(cfg)
+
+
+def test_last_validation_must_be_at_the_end(tmp_path):
+    cfg = compose_config(["trainer.max_steps=100", "trainer.val_check_interval=30"], output_dir=tmp_path)
+    with pytest.raises(ValueError, match="val_check_interval=30 must divide trainer.max_steps=100"):
+        train(cfg)
+
+
+def test_missing_data_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "no_such_corpus.txt"
+    cfg = compose_config(["data=text", f"data.source={missing}"], output_dir=tmp_path, cache_dir=tmp_path)
+    with pytest.raises(InstantiationException, match="(?s)source path does not exist.*no_such_corpus.txt.*data"):
+        train(cfg)
+
+
+def test_text_data_without_a_path_says_which_key(tmp_path):
+    cfg = compose_config(["data=text"], output_dir=tmp_path)
+    with pytest.raises(MissingMandatoryValue, match="source"):
+        train(cfg)

@@ -1,0 +1,76 @@
+"""Lightning features under GASLoC: manual optimization, bf16-mixed, accumulation, clipping, schedulers, validate."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from dist_utils import (
+    ManualRegressor,
+    PerRankWeights,
+    RecordParameters,
+    ScheduledRegressor,
+    TinyRegressor,
+    load_ranks,
+)
+from gasloc_lightning import GASLoCStrategy
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+
+
+def trainer_for(tmp_path, strategy, **kwargs):
+    kwargs.setdefault("max_steps", 6)
+    return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                      limit_val_batches=0, default_root_dir=tmp_path, **kwargs)
+
+
+def gasloc(**kwargs):
+    return GASLoCStrategy(inner_steps=3, start_method="fork", gossip_timeout=60.0, **kwargs)
+
+
+def test_manual_optimization_counts_optimizer_steps(tmp_path, fresh_port):
+    trainer_for(tmp_path, gasloc(), callbacks=[RecordParameters(str(tmp_path))]).fit(ManualRegressor())
+    assert [r["rounds_at_fit_end"] for r in load_ranks(tmp_path, 2)] == [2, 2]
+
+
+def test_accumulation_clipping_and_scheduler(tmp_path, fresh_port):
+    """H counts optimizer steps: 6 steps of 2 accumulated batches are 2 rounds."""
+    trainer = trainer_for(tmp_path, gasloc(), accumulate_grad_batches=2, gradient_clip_val=0.5,
+                          callbacks=[RecordParameters(str(tmp_path))])
+    trainer.fit(ScheduledRegressor())
+    records = load_ranks(tmp_path, 2)
+    assert [r["rounds_at_fit_end"] for r in records] == [2, 2]
+    assert all(r["global_step"] == 6 for r in records)
+    assert len(records[0]["history"]) == 1 + 12  # a record per batch: 12 batches for 6 steps
+    assert all(r["lr"] == pytest.approx(0.05 * 0.5**6) for r in records)  # stepped every optimizer step
+
+
+def test_bf16_mixed_precision_keeps_float32_outer_state(tmp_path, fresh_port):
+    trainer_for(tmp_path, gasloc(), precision="bf16-mixed",
+                callbacks=[RecordParameters(str(tmp_path))]).fit(TinyRegressor())
+    records = load_ranks(tmp_path, 2)
+    assert [r["rounds_at_fit_end"] for r in records] == [2, 2]
+    assert all(torch.isfinite(r["after_fit"]).all() for r in records)
+
+
+def test_bf16_true_parameters_train_with_float32_rounds(tmp_path, fresh_port):
+    trainer_for(tmp_path, gasloc(), precision="bf16-true",
+                callbacks=[RecordParameters(str(tmp_path))]).fit(TinyRegressor())
+    records = load_ranks(tmp_path, 2)
+    assert torch.equal(records[0]["after_fit"], records[1]["after_fit"])
+
+
+def test_validate_evaluates_the_consensus_without_replacing_replicas(tmp_path, fresh_port):
+    model = PerRankWeights(str(tmp_path))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=gasloc(), logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=2,
+                         default_root_dir=tmp_path)
+    trainer.validate(model)
+    records = load_ranks(tmp_path, 2, prefix="validate")
+    assert not torch.allclose(records[0]["before"], records[1]["before"])  # nobody broadcast rank 0's weights
+    consensus = (records[0]["before"] + records[1]["before"]) / 2
+    for record in records:
+        assert torch.allclose(record["evaluated"], consensus, atol=1e-6)
+        assert torch.equal(record["after"], record["before"])
