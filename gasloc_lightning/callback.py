@@ -24,7 +24,8 @@ class GASLoCCallback(Callback):
     """Logs round metrics, evaluates the consensus model and averages the replicas at the end of fit.
 
     Metrics (through the Lightning logger): ``comm/round``, ``comm/bytes_sent``,
-    ``comm/bytes_received`` (this worker, counted at the transport) and, every
+    ``comm/bytes_received`` (this worker, counted at the transport), ``comm/skipped_rounds`` (its own
+    non-finite rounds discarded), ``comm/rejected_exchanges`` (non-finite messages from peers) and, every
     ``consensus_every`` rounds, ``comm/consensus_distance`` (mean squared distance of the
     replicas to their average, measured by all ranks together).
 
@@ -70,6 +71,8 @@ class GASLoCCallback(Callback):
             "comm/round": float(strategy.round_index),
             "comm/bytes_sent": float(strategy.bytes_sent),
             "comm/bytes_received": float(strategy.bytes_received),
+            "comm/skipped_rounds": float(strategy.skipped_rounds),
+            "comm/rejected_exchanges": float(strategy.rejected_exchanges),
         }
         if strategy.consensus_distance is not None:
             metrics["comm/consensus_distance"] = strategy.consensus_distance

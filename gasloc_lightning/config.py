@@ -131,7 +131,7 @@ class LanguageModelSchema:
 @dataclass
 class ByteDataSchema:
     _target_: str = "gasloc_lightning.data.ByteDataModule"
-    source: str = "stdlib"
+    source: str = MISSING  # "stdlib", a path, or "hf:<name>"
     block_size: int = MISSING
     batch_size: int = 32
     val_fraction: float = 0.05

@@ -9,15 +9,14 @@ complete graph must follow the same trajectory.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 from typing_extensions import override
 
 from gasloc_lightning.outer import validate_outer_hyperparameters
-from gasloc_lightning.strategy import LocalStepsStrategy, StartMethod, _register_variants
+from gasloc_lightning.strategy import LocalStepsStrategy, _register_variants
 
 
 class DiLoCoStrategy(LocalStepsStrategy):
@@ -40,35 +39,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
         inner_steps: int = 50,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
-        gossip_timeout: float = 300.0,
-        collective_timeout: float | None = None,
-        consensus_every: int = 10,
-        bucket_cap_mb: float = 64.0,
-        cpu_threads: int | Literal["auto"] | None = "auto",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        process_group_backend: str | None = None,
-        start_method: StartMethod = "popen",
+        **kwargs: Any,
     ) -> None:
         validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
-        super().__init__(
-            inner_steps=inner_steps,
-            gossip_timeout=gossip_timeout,
-            collective_timeout=collective_timeout,
-            consensus_every=consensus_every,
-            bucket_cap_mb=bucket_cap_mb,
-            cpu_threads=cpu_threads,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-        )
+        super().__init__(inner_steps=inner_steps, **kwargs)
         self._outer_lr = float(outer_lr)
         self._outer_momentum = float(outer_momentum)
         self._round_start: nn.Parameter | None = None
@@ -96,6 +70,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
     def _communicate(self) -> None:
         assert self._round_start is not None and self._transport is not None
         message = self.layout.gather(self._work)  # thetaH | buffers
+        self._guard_local_point(message, self._round_start.detach())
         params, buffers = self.layout.split(message)
         torch.sub(self._round_start, params, out=params)  # pseudo-gradient Delta_i
         if self.world_size > 1:

@@ -33,8 +33,9 @@ Everything here is pure float64 math on CPU tensors; no process group is involve
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -43,18 +44,36 @@ from torch import Tensor
 UpdateForm = Literal["anchored", "post_mix"]
 UPDATE_FORMS: tuple[str, ...] = ("anchored", "post_mix")
 
-# Largest gamma certified (ALGORITHM.md, "Stability check") to keep the consensus
-# disagreement contracting for ANY switching sequence of positive semidefinite doubly
-# stochastic W, i.e. for schedules whose rate we cannot compute exactly (user-supplied
-# time-varying topologies). The strategy warns, once, above it. A quadratic Lyapunov function
-# common to the mode matrices of every lambda in [0, 1] gives such a certificate, because for
-# the stacked map A0 (x) I + A1 (x) W it reduces to a condition per eigenvalue of W.
+# 0.44 is the largest gamma that ALGORITHM.md ("Stability check") reports as certified for ANY
+# switching sequence of positive semidefinite W, i.e. for schedules whose rate cannot be
+# computed exactly (user-supplied time-varying topologies); the strategy warns once above it.
+# Such a certificate is a quadratic Lyapunov function common to the mode matrices M(lambda) of
+# every lambda in [0, 1]: the stacked map is A0 (x) I + A1 (x) W, so the condition splits per
+# eigenvalue of W even when successive W do not commute. It is not re-derived here; the tests
+# check it on mixed, non-commuting schedules.
 SWITCHING_SAFE_MOMENTUM: float = 0.44
 
 # Eigenvalues within this distance of 0 or 1 are treated as exactly 0 or 1 (see
 # consensus_rate_modes); float64 eigensolvers are accurate to a few 1e-16 here.
 _EIGENVALUE_TOL = 1e-12
 _DTYPE = torch.float64
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    # The rate computations run thousands of tiny products ((n, n) by thin (n, d), batches of
+    # 2x2). Threads buy nothing at that size, and when the cores are shared (several ranks on
+    # a node checking stability at setup) their spin-waiting made products ~1000x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class NonCommutingError(ValueError):
+    """The mixing matrices of a periodic schedule share no eigenbasis: no exact rate exists."""
 
 
 def check_form(form: str) -> None:
@@ -151,7 +170,7 @@ def periodic_mode_eigenvalues(matrices: Sequence[Tensor]) -> Tensor:
         column k = its eigenvalue under W_k.
 
     Raises:
-        ValueError: if the matrices are not a commuting family.
+        NonCommutingError: (a ``ValueError``) if the matrices are not a commuting family.
     """
     if not matrices:
         raise ValueError("matrices must hold at least one mixing matrix")
@@ -170,7 +189,7 @@ def periodic_mode_eigenvalues(matrices: Sequence[Tensor]) -> Tensor:
     table = torch.diagonal(diagonalized, dim1=1, dim2=2)  # (T, n-1)
     off_diagonal = diagonalized - torch.diag_embed(table)
     if off_diagonal.abs().max() > 1e-8:
-        raise ValueError("the mixing matrices do not commute; use consensus_rate_simulated instead")
+        raise NonCommutingError("the mixing matrices do not commute; use consensus_rate_simulated instead")
     return table.T.contiguous()
 
 
@@ -205,9 +224,10 @@ def consensus_rate_modes(
     table = torch.where(table.abs() <= _EIGENVALUE_TOL, 0.0, table)
     table = torch.where((table - 1.0).abs() <= _EIGENVALUE_TOL, 1.0, table)
     product = torch.eye(2, dtype=_DTYPE).expand(table.shape[0], 2, 2)  # (m, 2, 2)
-    for column in table.T:
-        product = _mode_matrices(column, outer_momentum, form) @ product
-    rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
+    with _one_thread():
+        for column in table.T:
+            product = _mode_matrices(column, outer_momentum, form) @ product
+        rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
     rates[((table - 1.0).abs() <= _EIGENVALUE_TOL).all(dim=1)] = 1.0
     if form == "anchored":
         rates[(table.abs() <= _EIGENVALUE_TOL).all(dim=1)] = 0.0
@@ -316,7 +336,10 @@ def disagreement_trajectory(
     """
     check_form(form)
     check_outer_momentum(outer_momentum)
-    logs = _log_disagreement(sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, first_round)
+    with _one_thread():
+        logs = _log_disagreement(
+            sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, first_round
+        )
     return torch.tensor(logs, dtype=_DTYPE).exp()
 
 
@@ -367,11 +390,12 @@ def consensus_rate_simulated(
     if world_size == 1:
         return 0.0
     rates = []
-    for index, seed in enumerate(seeds):
-        logs = _log_disagreement(
-            sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, index * rounds
-        )
-        rates.append(_fitted_rate(logs, burn_in=rounds // 3))
+    with _one_thread():
+        for index, seed in enumerate(seeds):
+            logs = _log_disagreement(
+                sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, index * rounds
+            )
+            rates.append(_fitted_rate(logs, burn_in=rounds // 3))
     return max(rates)
 
 

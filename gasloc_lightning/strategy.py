@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from pathlib import Path
+from typing import Any, Callable, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -29,13 +31,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from gasloc_lightning import checkpoint as ckpt
 from gasloc_lightning.outer import OuterState, mix, validate_outer_hyperparameters
 from gasloc_lightning.stability import SWITCHING_SAFE_MOMENTUM
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
 from gasloc_lightning.transport import FlatLayout, GossipTransport
-
-if TYPE_CHECKING:
-    from gasloc_lightning.callback import GASLoCCallback
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ class LocalStepsStrategy(DDPStrategy):
         consensus_every: every this many rounds, all ranks measure the consensus distance together (0: never).
         bucket_cap_mb: largest single message slice, in MiB.
         cpu_threads: torch threads per process on CPU; ``"auto"`` gives each local process its share of the cores.
+        on_nonfinite: what a worker does when its own point is not finite at the end of a round:
+            ``"skip_round"`` discards its local steps of that round (it restarts from its round-start point,
+            non-finite entries of its optimizer state are zeroed) and still takes part in the exchange, so
+            peers never wait and never receive it; ``"raise"`` stops at once.
+        max_skipped_rounds: consecutive skipped rounds after which the worker stops with an error.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
     """
@@ -65,6 +70,8 @@ class LocalStepsStrategy(DDPStrategy):
         consensus_every: int = 10,
         bucket_cap_mb: float = 64.0,
         cpu_threads: int | Literal["auto"] | None = "auto",
+        on_nonfinite: Literal["skip_round", "raise"] = "skip_round",
+        max_skipped_rounds: int = 3,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -81,6 +88,9 @@ class LocalStepsStrategy(DDPStrategy):
             raise ValueError(f"consensus_every must be an int >= 0, got {consensus_every!r}")
         if not (cpu_threads in ("auto", None) or (isinstance(cpu_threads, int) and cpu_threads >= 1)):
             raise ValueError(f"cpu_threads must be 'auto', None or an int >= 1, got {cpu_threads!r}")
+        if on_nonfinite not in ("skip_round", "raise"):
+            raise ValueError(f"on_nonfinite must be 'skip_round' or 'raise', got {on_nonfinite!r}")
+        _check_positive_int("max_skipped_rounds", max_skipped_rounds)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -104,6 +114,14 @@ class LocalStepsStrategy(DDPStrategy):
         self._steps_in_round = 0
         self._consensus_distance: float | None = None
         self._local_backup: Tensor | None = None  # local replica while the consensus model is swapped in
+        self._on_nonfinite = on_nonfinite
+        self._max_skipped_rounds = max_skipped_rounds
+        self._consecutive_skips = 0
+        self._skipped_rounds = 0
+        self._rejected_exchanges = 0
+        self._warned_peers: set[int] = set()
+        self._pending_rng: dict[str, Any] | None = None
+        self._restored_per_rank_state = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -137,6 +155,28 @@ class LocalStepsStrategy(DDPStrategy):
         if self._layout is None:
             raise RuntimeError(f"{type(self).__name__} is not set up yet")
         return self._layout
+
+    @property
+    def transport(self) -> GossipTransport:
+        if self._transport is None:
+            raise RuntimeError(f"{type(self).__name__} is not set up yet")
+        return self._transport
+
+    @property
+    def skipped_rounds(self) -> int:
+        """Rounds this worker discarded because its own point was not finite."""
+        return self._skipped_rounds
+
+    @property
+    def rejected_exchanges(self) -> int:
+        """Messages from peers this worker rejected because they were not finite."""
+        return self._rejected_exchanges
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # The outer state exists only after setup: per-rank state is restored into it.
+        return True
 
     @property
     def consensus_swapped_in(self) -> bool:
@@ -281,6 +321,52 @@ class LocalStepsStrategy(DDPStrategy):
     def _communicate(self) -> None:
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ bad points
+    def _guard_local_point(self, message: Tensor, round_start: Tensor) -> None:
+        """Before sending: a non-finite local point never leaves this worker (see ``on_nonfinite``)."""
+        if bool(torch.isfinite(message).all()):
+            self._consecutive_skips = 0
+            return
+        where = f"rank {self.global_rank}, round {self._round_index}"
+        if self._on_nonfinite == "raise":
+            raise FloatingPointError(f"{where}: the local parameters are not finite (on_nonfinite='raise')")
+        self._consecutive_skips += 1
+        self._skipped_rounds += 1
+        if self._consecutive_skips > self._max_skipped_rounds:
+            raise FloatingPointError(
+                f"{where}: the local parameters were not finite for {self._consecutive_skips} consecutive rounds "
+                f"(max_skipped_rounds={self._max_skipped_rounds}); lower the learning rate or check the data"
+            )
+        log.warning("%s: non-finite local parameters, round discarded (restarting from the round start)", where)
+        params, buffers = self.layout.split(message)
+        params.copy_(round_start)
+        torch.nan_to_num_(buffers, nan=0.0, posinf=0.0, neginf=0.0)
+        self._zero_nonfinite_optimizer_state()
+
+    def _zero_nonfinite_optimizer_state(self) -> None:
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, Tensor) and torch.is_floating_point(value):
+                        torch.nan_to_num_(value, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _accept(self, received: list[tuple[float, Tensor]], peers: list[int]) -> list[tuple[float, Tensor]]:
+        """Drop non-finite messages: the worker keeps its own point for that peer's share this round."""
+        accepted = []
+        for (weight, message), peer in zip(received, peers):
+            if bool(torch.isfinite(message).all()):
+                accepted.append((weight, message))
+                continue
+            self._rejected_exchanges += 1
+            if peer not in self._warned_peers:
+                self._warned_peers.add(peer)
+                log.warning(
+                    "rank %d: rejected a non-finite message from peer %d in round %d (kept its own point for that "
+                    "share; the replicas' mean moves this round); further rejections are counted in "
+                    "comm/rejected_exchanges", self.global_rank, peer, self._round_index,
+                )
+        return accepted
+
     # ------------------------------------------------------------------ consensus
     @torch.no_grad()
     def measure_consensus_distance(self) -> float:
@@ -346,12 +432,18 @@ class LocalStepsStrategy(DDPStrategy):
             "steps_in_round": self._steps_in_round,
             "counters": counters,
             "consensus_distance": self._consensus_distance,
+            "skipped_rounds": self._skipped_rounds,
+            "consecutive_skips": self._consecutive_skips,
+            "rejected_exchanges": self._rejected_exchanges,
         }
 
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
         self._round_index = int(state["round_index"])
         self._steps_in_round = int(state["steps_in_round"])
         self._consensus_distance = state.get("consensus_distance")
+        self._skipped_rounds = int(state.get("skipped_rounds", 0))
+        self._consecutive_skips = int(state.get("consecutive_skips", 0))
+        self._rejected_exchanges = int(state.get("rejected_exchanges", 0))
         if self._transport and state.get("counters"):
             self._transport.counters.load_state_dict(state["counters"])
 
@@ -363,6 +455,55 @@ class LocalStepsStrategy(DDPStrategy):
                 "checkpoints must hold the local replicas (is a checkpoint callback ordered before GASLoCCallback?)"
             )
         return super().lightning_module_state_dict()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
+        """Every rank writes its own file of a checkpoint directory; rank 0 adds the shared part and, last, meta.json."""
+        directory = Path(filepath)
+        if self.is_global_zero:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / ckpt.META_FILE).unlink(missing_ok=True)  # incomplete until rewritten below
+        self.barrier("gasloc.save_checkpoint.start")
+        directory.mkdir(parents=True, exist_ok=True)  # per-node disks: every node makes its own
+        checkpoint = dict(checkpoint)
+        checkpoint["gasloc"] = {"strategy": self.strategy_state_dict(), "rng": ckpt.capture_rng_states()}
+        shared, own = ckpt.split_checkpoint(checkpoint)
+        ckpt.atomic_save(own, ckpt.rank_file(directory, self.global_rank))
+        if self.is_global_zero:
+            ckpt.atomic_save(shared, directory / ckpt.SHARED_FILE)
+        self.barrier("gasloc.save_checkpoint.written")
+        if self.is_global_zero:
+            ckpt.write_meta(directory, self.world_size, int(checkpoint.get("global_step", 0)))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        """A per-rank directory restores this rank's own state; a single-file checkpoint loads as usual."""
+        if not ckpt.is_per_rank_checkpoint(checkpoint_path):
+            self._restored_per_rank_state = False
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = ckpt.load_rank_checkpoint(checkpoint_path, self.global_rank, self.world_size)
+        gasloc = checkpoint.pop("gasloc")
+        self.load_strategy_state_dict(gasloc["strategy"])
+        self._pending_rng = gasloc["rng"]
+        self._restored_per_rank_state = True
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if not self._restored_per_rank_state and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            # A single-file checkpoint (e.g. a consensus export): every replica starts from it afresh.
+            self._init_outer_state()
+
+    @override
+    def on_train_start(self) -> None:
+        # RNG states are restored last, right before the first resumed step draws from them.
+        if self._pending_rng is not None:
+            ckpt.restore_rng_states(self._pending_rng)
+            self._pending_rng = None
 
     @override
     def teardown(self) -> None:
@@ -390,7 +531,8 @@ class GASLoCStrategy(LocalStepsStrategy):
         topology: a name (``one_peer``, ``two_peer``, ``ring``, ``torus``, ``exponential``, ``complete``,
             ``local``) or a :class:`~gasloc_lightning.topology.Topology` object.
         seed: shared seed of the random graph schedule (every rank derives the same peers from it).
-        **kwargs: ``inner_steps`` and the other arguments of :class:`LocalStepsStrategy`.
+        **kwargs: the arguments of :class:`LocalStepsStrategy` (timeouts, ``on_nonfinite``, ``cpu_threads``,
+            ``start_method`` and Lightning's ``DDPStrategy`` arguments).
     """
 
     strategy_name = "gasloc"
@@ -404,39 +546,14 @@ class GASLoCStrategy(LocalStepsStrategy):
         outer_form: Literal["anchored", "post_mix"] = "anchored",
         topology: str | Topology = "one_peer",
         seed: int = 0,
-        gossip_timeout: float = 300.0,
-        collective_timeout: float | None = None,
-        consensus_every: int = 10,
-        bucket_cap_mb: float = 64.0,
-        cpu_threads: int | Literal["auto"] | None = "auto",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        process_group_backend: str | None = None,
-        start_method: StartMethod = "popen",
+        **kwargs: Any,
     ) -> None:
         if isinstance(topology, str) and topology.lower() not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {sorted(TOPOLOGIES)} or a Topology, got {topology!r}")
         validate_outer_hyperparameters(outer_lr, 0.0 if outer_momentum is None else outer_momentum, outer_form)
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        super().__init__(
-            inner_steps=inner_steps,
-            gossip_timeout=gossip_timeout,
-            collective_timeout=collective_timeout,
-            consensus_every=consensus_every,
-            bucket_cap_mb=bucket_cap_mb,
-            cpu_threads=cpu_threads,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-        )
+        super().__init__(inner_steps=inner_steps, **kwargs)
         self._topology = build_topology(topology, seed=seed)
         self._outer_lr = float(outer_lr)
         self._requested_momentum = outer_momentum
@@ -531,6 +648,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         assert self._outer is not None and self._transport is not None
         layout, outer = self.layout, self._outer
         message = layout.gather(self._work)  # thetaH | buffers
+        self._guard_local_point(message, outer.round_start)
         params, buffers = layout.split(message)
         outer.message(params)  # params now hold u_i (or z_i for post_mix)
         mixed = outer.mixed_destination()
@@ -539,7 +657,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             mixed.copy_(params)
         else:
             pending = self._transport.post(message, self.peers(), self._round_index)
-            received = self._transport.complete(pending)
+            received = self._accept(self._transport.complete(pending), sorted(pending.peers))
             n = layout.num_parameter_elements
             mix(params, [(w, r[:n]) for w, r in received], out=mixed)
             mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)

@@ -179,6 +179,9 @@ class Topology(abc.ABC):
         if period == 1:
             eigenvalues = stability.disagreement_eigenvalues(self.mixing_matrix(world_size, 0))
             return 1.0 - float(eigenvalues.abs().max())
+        modes = self._mode_eigenvalues(world_size)
+        if modes is not None:  # commuting W: E[W^T W] has eigenvalue mean_k lambda_k^2 per mode
+            return 1.0 - float(modes.square().mean(dim=1).max())
         matrices = [self.mixing_matrix(world_size, t) for t in range(period or _GAP_SAMPLE_ROUNDS)]
         gram = torch.stack([m.T @ m for m in matrices]).mean(dim=0)
         return 1.0 - float(stability.disagreement_eigenvalues(gram).max())
@@ -204,21 +207,29 @@ class Topology(abc.ABC):
         return self._memo(key, lambda: self._consensus_rate(world_size, outer_momentum, form))
 
     def _consensus_rate(self, world_size: int, gamma: float, form: UpdateForm) -> float:
-        if self.schedule_period(world_size) is not None:
-            return stability.consensus_rate_modes(self._mode_eigenvalues(world_size), gamma, form)
+        modes = self._mode_eigenvalues(world_size)
+        if modes is not None:
+            return stability.consensus_rate_modes(modes, gamma, form)
         sparse = world_size > _DENSE_SIMULATION_MAX
         return stability.consensus_rate_simulated(
             lambda t: self.mixing_matrix(world_size, t, sparse=sparse), world_size, gamma, form
         )
 
-    def _mode_eigenvalues(self, world_size: int) -> Tensor:
-        """(n - 1, period) eigenvalue of each round's W per common eigenvector."""
+    def _mode_eigenvalues(self, world_size: int) -> Tensor | None:
+        """(n - 1, period) eigenvalues of each round's W per common eigenvector.
 
-        def compute() -> Tensor:
+        None for a random schedule, or a periodic one whose W do not commute: those are simulated.
+        """
+
+        def compute() -> Tensor | None:
             period = self.schedule_period(world_size)
-            assert period is not None
+            if period is None:
+                return None
             matrices = [self.mixing_matrix(world_size, t) for t in range(period)]
-            return stability.periodic_mode_eigenvalues(matrices)
+            try:
+                return stability.periodic_mode_eigenvalues(matrices)
+            except stability.NonCommutingError:
+                return None
 
         return self._memo(("modes", world_size), compute)
 
@@ -417,7 +428,7 @@ class ExponentialTopology(Topology):
             return {}
         return {rank ^ (1 << (round_index % self.schedule_period(world_size))): 0.5}
 
-    def _mode_eigenvalues(self, world_size: int) -> Tensor:
+    def _mode_eigenvalues(self, world_size: int) -> Tensor | None:
         dimensions = world_size.bit_length() - 1
         walsh = torch.arange(1, world_size)  # Walsh vectors s != 0 span the disagreement space
         bits = (walsh[:, None] >> torch.arange(dimensions)) & 1  # (n - 1, log2 n)

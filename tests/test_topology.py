@@ -221,6 +221,29 @@ class Sampled(Topology):
         return self.inner.mixing_weights(rank, world_size, round_index)
 
 
+class Alternating(Topology):
+    """A user-defined periodic schedule whose two graphs do not commute: rates are simulated."""
+
+    name = "alternating"
+    time_varying = True
+
+    def schedule_period(self, world_size):
+        return 2
+
+    def mixing_weights(self, rank, world_size, round_index):
+        graph = RingTopology() if round_index % 2 == 0 else OnePeerTopology(seed=0)
+        return graph.mixing_weights(rank, world_size, 0)
+
+
+def test_non_commuting_periodic_schedule_is_simulated():
+    topology = Alternating()
+    expected = stability.consensus_rate_simulated(lambda t: topology.mixing_matrix(8, t), 8, 0.5)
+    assert topology.consensus_rate(8, 0.5) == pytest.approx(expected, rel=1e-12)
+    assert expected < 1.0
+    assert 0.0 < topology.spectral_gap(8) < 1.0
+    assert topology.is_positive_semidefinite(8)
+
+
 @pytest.mark.parametrize("name", ["one_peer", "two_peer"])
 @pytest.mark.parametrize("n", [5, 8])
 def test_exact_random_graph_gaps_match_sampled_estimates(name, n):

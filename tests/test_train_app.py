@@ -1,0 +1,62 @@
+"""The training app end to end: every experiment for a few steps, the console script, and a multirun sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app_utils import EXPERIMENTS, QUICK, compose_config, finished_sweep, run_app, shared_cache_dir
+from gasloc_lightning.summary import SUMMARY_FILE
+from gasloc_lightning.train import train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / SUMMARY_FILE).read_text())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_runs_a_few_steps(experiment, tmp_path, tmp_path_factory, fresh_port):
+    fresh_port()
+    cfg = compose_config([f"experiment={experiment}", *QUICK], output_dir=tmp_path,
+                         cache_dir=shared_cache_dir(tmp_path_factory))
+    val_loss = train(cfg)
+    summary = _summary(tmp_path)
+    assert math.isfinite(val_loss) and summary["final"]["val_loss"] == pytest.approx(val_loss)
+    assert summary["final"]["step"] == summary["budget"]["steps"] == 4
+    assert summary["world_size"] == 2
+    assert summary["budget"]["tokens"] == 4 * 4 * 64 * 2  # steps x B x T x workers
+    assert summary["budget"]["rounds"] == 2  # 4 steps / H=2
+    assert (tmp_path / summary["metrics_csv"]).is_file()
+
+
+@pytest.mark.timeout(300)
+def test_console_script_trains_and_prints_the_budget(tmp_path, tmp_path_factory):
+    script = shutil.which("gasloc-train", path=str(Path(__import__("sys").executable).parent))
+    assert script, "gasloc-train is not installed: pip install -e ."
+    run_dir = tmp_path / "run"
+    args = ["strategy=local", *QUICK, f"cache_dir={shared_cache_dir(tmp_path_factory)}", f"hydra.run.dir={run_dir}"]
+    result = run_app(args, cwd=tmp_path, executable=[script])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert "budget strategy=local" in log and "tokens=512 " in log and "rounds=2" in log
+    summary = _summary(run_dir)
+    assert summary["strategy"]["name"] == "local" and summary["bytes_sent"] == 0
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_multirun_of_two_jobs_leaves_exactly_two_run_folders(tmp_path_factory):
+    sweep_dir = finished_sweep(tmp_path_factory)
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    assert [_summary(p)["strategy"]["name"] for p in jobs] == ["diloco", "ddp"]
+    # Nothing else was created: no child re-ran the app into outputs/ or multirun/.
+    assert sorted(p.name for p in sweep_dir.parent.iterdir()) == ["sweep"]
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_file()) == ["multirun.yaml"]
