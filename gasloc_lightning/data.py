@@ -609,6 +609,7 @@ class ByteDataModule(pl.LightningDataModule):
             sampler=self._train_sampler,
             drop_last=True,
             num_workers=self.num_workers,
+            generator=self._loader_generator(),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -621,7 +622,15 @@ class ByteDataModule(pl.LightningDataModule):
     def _eval_dataloader(self, cap: int | None) -> DataLoader:
         dataset = _Windows(self._split_tokens("val"), self.block_size)
         starts = self._eval_window_starts(cap)
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=starts, num_workers=self.num_workers)
+        return DataLoader(
+            dataset, batch_size=self.batch_size, sampler=starts, num_workers=self.num_workers,
+            generator=self._loader_generator(),
+        )
+
+    def _loader_generator(self) -> torch.Generator:
+        # A DataLoader without a generator draws its worker base seed from torch's global RNG at every
+        # iter(): a resumed run would then draw once more than the uninterrupted one and diverge.
+        return torch.Generator().manual_seed(_stable_seed(self.seed, self.rank, 7))
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         # Lightning calls this when a batch is about to be trained on, whereas DataLoader workers

@@ -220,17 +220,21 @@ def consensus_rate_modes(
     table = table[:, None] if table.ndim == 1 else table  # (m, T)
     if table.shape[0] == 0:
         return 0.0
+    with _one_thread():
+        return _max_mode_rate(table, outer_momentum, form)
+
+
+def _max_mode_rate(table: Tensor, gamma: float, form: str) -> float:
     # Snap rounding noise: a near-0 product raised to 1/T would otherwise read as a real rate.
     table = torch.where(table.abs() <= _EIGENVALUE_TOL, 0.0, table)
     table = torch.where((table - 1.0).abs() <= _EIGENVALUE_TOL, 1.0, table)
     product = torch.eye(2, dtype=_DTYPE).expand(table.shape[0], 2, 2)  # (m, 2, 2)
-    with _one_thread():
-        for column in table.T:
-            product = _mode_matrices(column, outer_momentum, form) @ product
-        rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
-    rates[((table - 1.0).abs() <= _EIGENVALUE_TOL).all(dim=1)] = 1.0
+    for column in table.T:
+        product = _mode_matrices(column, gamma, form) @ product
+    rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
+    rates[(table == 1.0).all(dim=1)] = 1.0
     if form == "anchored":
-        rates[(table.abs() <= _EIGENVALUE_TOL).all(dim=1)] = 0.0
+        rates[(table == 0.0).all(dim=1)] = 0.0
     return float(rates.max())
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 import random
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from functools import lru_cache
@@ -429,10 +430,12 @@ class ExponentialTopology(Topology):
         return {rank ^ (1 << (round_index % self.schedule_period(world_size))): 0.5}
 
     def _mode_eigenvalues(self, world_size: int) -> Tensor | None:
-        dimensions = world_size.bit_length() - 1
-        walsh = torch.arange(1, world_size)  # Walsh vectors s != 0 span the disagreement space
-        bits = (walsh[:, None] >> torch.arange(dimensions)) & 1  # (n - 1, log2 n)
-        return (1 - bits).to(_DTYPE)
+        def compute() -> Tensor:
+            walsh = torch.arange(1, world_size)  # Walsh vectors s != 0 span the disagreement space
+            bits = (walsh[:, None] >> torch.arange(world_size.bit_length() - 1)) & 1  # (n - 1, log2 n)
+            return (1 - bits).to(_DTYPE)
+
+        return self._memo(("modes", world_size), compute)
 
     def default_outer_momentum(self, world_size: int, form: UpdateForm = "anchored") -> float:
         # ALGORITHM.md: cap gamma at 0.7 from n = 32 on, where the limit falls towards 0.707.
@@ -511,7 +514,7 @@ def _edge_items(edges: EdgeSpec) -> Iterable[tuple[object, object, object]]:
 
 
 def _is_index(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def _parse_edges(edges: EdgeSpec) -> dict[tuple[int, int], float]:
@@ -523,8 +526,9 @@ def _parse_edges(edges: EdgeSpec) -> dict[tuple[int, int], float]:
         i, j, weight = edge
         if not (_is_index(i) and _is_index(j)) or i == j:
             raise TopologyError(f"edge ({i!r}, {j!r}) must join two distinct non-negative int ranks")
-        if not isinstance(weight, (int, float)) or not 0.0 < weight <= 1.0:
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0.0 < weight <= 1.0:
             raise TopologyError(f"edge ({i}, {j}) needs a weight w_ij in (0, 1], got {weight!r}")
+        i, j = int(i), int(j)
         key = (min(i, j), max(i, j))
         if key in parsed and not math.isclose(parsed[key], weight, rel_tol=1e-12):
             raise TopologyError(

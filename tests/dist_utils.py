@@ -188,3 +188,92 @@ class PerRankWeights(TinyRegressor):
     def on_validation_end(self):  # module hooks run after every callback's: the replica is back
         record = {"before": self.before, "evaluated": self.evaluated, "after": flat_parameters(self)}
         torch.save(record, Path(self.out_dir) / f"validate{self.global_rank}.pt")
+
+
+def write_text_corpus(directory: Path, files: int = 12, size: int = 6000) -> Path:
+    """A small deterministic text folder for LM tests (no stdlib scan, no download)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "gossip", "round", "peer", "model", "train", "loss"]
+    for i in range(files):
+        picks = torch.randint(len(words), (size // 6,), generator=generator).tolist()
+        (directory / f"doc{i}.txt").write_text(" ".join(words[k] for k in picks))
+    return directory
+
+
+class SaveFinalState(Callback):
+    """Every rank saves its replica and the strategy's state when training ends (before end-of-fit averaging)."""
+
+    def __init__(self, out_dir: str, tag: str):
+        self.out_dir, self.tag = out_dir, tag
+
+    def on_train_end(self, trainer, pl_module):
+        record = {"params": [p.detach().clone() for p in pl_module.parameters()],
+                  "strategy": trainer.strategy.strategy_state_dict(), "global_step": trainer.global_step,
+                  "optimizer": trainer.optimizers[0].state_dict()}
+        torch.save(record, Path(self.out_dir) / f"{self.tag}{trainer.global_rank}.pt")
+
+
+class SleepOnRank(Callback):
+    """Rank ``rank`` stalls (sleeps) or dies (exits) at a chosen point."""
+
+    def __init__(self, rank: int, at_step: int | None = None, seconds: float = 0.0, exit_code: int | None = None,
+                 during_validation: bool = False):
+        self.rank, self.at_step, self.seconds = rank, at_step, seconds
+        self.exit_code, self.during_validation = exit_code, during_validation
+
+    def _act(self):
+        import time
+        if self.exit_code is not None:
+            os._exit(self.exit_code)
+        time.sleep(self.seconds)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and self.at_step is not None and trainer.global_step == self.at_step:
+            self._act()
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.global_rank == self.rank and self.during_validation and trainer.global_step > 0:
+            self._act()
+
+
+class CorruptMessages(Callback):
+    """Rank ``rank`` sends NaN-filled messages (its own replica stays finite)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank != self.rank:
+            return
+        transport = trainer.strategy.transport
+        post = transport.post
+
+        def corrupt_post(message, peers, round_index):
+            return post(torch.full_like(message, float("nan")), peers, round_index)
+
+        transport.post = corrupt_post
+
+
+class PoisonOneBatch(TinyRegressor):
+    """Rank 1's loss becomes NaN at the chosen steps (its parameters go non-finite)."""
+
+    def __init__(self, poison_steps=(4,), **kwargs):
+        super().__init__(**kwargs)
+        self.poison_steps = set(poison_steps)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.trainer.global_step in self.poison_steps:
+            loss = loss * float("nan")
+        return loss
+
+
+class RankDependentWidth(TinyRegressor):
+    """Rank 1 builds a wider first layer: the model signatures differ."""
+
+    def configure_model(self):
+        if self.global_rank == 1:
+            self.net[0] = nn.Linear(8, 16 + 1, bias=False)
+            self.net[1] = nn.BatchNorm1d(17)
+            self.net[3] = nn.Linear(17, 1)

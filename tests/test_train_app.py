@@ -45,7 +45,7 @@ def test_console_script_trains_and_prints_the_budget(tmp_path, tmp_path_factory)
     result = run_app(args, cwd=tmp_path, executable=[script])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = result.stdout + result.stderr
-    assert "budget strategy=local" in log and "tokens=512 " in log and "rounds=2" in log
+    assert "budget strategy=local" in log and "tokens=2,048 " in log and "rounds=2" in log
     summary = _summary(run_dir)
     assert summary["strategy"]["name"] == "local" and summary["bytes_sent"] == 0
     assert (run_dir / ".hydra" / "config.yaml").is_file()

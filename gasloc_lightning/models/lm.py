@@ -159,10 +159,15 @@ class LanguageModel(pl.LightningModule):
         """(B, T) token ids -> (B, T, V) logits."""
         return self.model(idx)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def compute_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """Mean next-byte cross-entropy of a batch (GASLoCCallback uses it for each replica's own loss)."""
         x, y = batch  # (B, T), (B, T)
         logits = self(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, _ = batch  # (B, T)
+        loss = self.compute_loss(batch)
         self.tokens_seen += x.numel()
         self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
         # float64 keeps the count exact far past float32's 2^24.
