@@ -100,19 +100,25 @@ class RandomBytes(Dataset):
 
 # ---------------------------------------------------------------------------------------- callbacks
 class StepTimer(Callback):
-    """Writes this rank's wall time between consecutive train-batch ends (after warm-up) to a json file."""
+    """Writes this rank's wall and CPU time between consecutive train-batch ends (after warm-up) to a json file.
+
+    CPU time counts every thread of the process; CPU / wall below 1 for a one-thread process means
+    it waited for a core (other load on the machine), which the wall-clock ratio then includes.
+    """
 
     def __init__(self, out_dir: str, warmup: int):
         self.out_dir, self.warmup = out_dir, warmup
-        self._ends: list[float] = []
+        self._ends: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._ends.append(time.perf_counter())
+        self._ends.append((time.perf_counter(), time.process_time()))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        intervals = [b - a for a, b in zip(self._ends, self._ends[1:])][self.warmup :]
+        window = self._ends[self.warmup :]
         record = {
-            "intervals": intervals,
+            "steps": len(window) - 1,
+            "wall": window[-1][0] - window[0][0],
+            "cpu": window[-1][1] - window[0][1],
             "threads": torch.get_num_threads(),
             "rounds_in_window": getattr(trainer.strategy, "round_index", 0),
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -298,9 +304,13 @@ def _measure(kind: str, settings: Settings) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- analysis
-def _steps_per_second(result: dict[str, Any]) -> float:
-    """Mean over this run's concurrent processes of each one's steps per second over its window."""
-    return statistics.fmean(len(w["intervals"]) / sum(w["intervals"]) for w in result["workers"])
+def _steps_per_second(result: dict[str, Any], clock: str = "wall") -> float:
+    """Mean over this run's concurrent processes of each one's steps per (wall or CPU) second over its window."""
+    return statistics.fmean(w["steps"] / w[clock] for w in result["workers"])
+
+
+def _cpu_share(result: dict[str, Any]) -> float:
+    return min(w["cpu"] / w["wall"] for w in result["workers"])
 
 
 def _per_trial_max(rounds: dict[str, Any], key: str) -> list[float]:

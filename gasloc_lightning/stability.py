@@ -101,6 +101,7 @@ def mode_matrix(eigenvalue: float, outer_momentum: float, form: UpdateForm = "an
         coefficients.
     """
     check_form(form)
+    check_outer_momentum(outer_momentum)
     return _mode_matrices(torch.tensor([eigenvalue], dtype=_DTYPE), outer_momentum, form)[0]
 
 
@@ -156,6 +157,16 @@ def disagreement_eigenvalues(matrix: Tensor) -> Tensor:
     return torch.linalg.eigvalsh(basis.T @ matrix @ basis)
 
 
+def _first_primes(count: int) -> list[int]:
+    primes: list[int] = []
+    candidate = 2
+    while len(primes) < count:
+        if all(candidate % p for p in primes):
+            primes.append(candidate)
+        candidate += 1
+    return primes
+
+
 def periodic_mode_eigenvalues(matrices: Sequence[Tensor]) -> Tensor:
     """Per common eigenvector, the eigenvalue of each W_k of a commuting periodic schedule.
 
@@ -182,8 +193,9 @@ def periodic_mode_eigenvalues(matrices: Sequence[Tensor]) -> Tensor:
         return torch.zeros(0, len(checked), dtype=_DTYPE)
     basis = _disagreement_basis(n)
     reduced = torch.stack([basis.T @ m @ basis for m in checked])  # (T, n-1, n-1)
-    # Irrational, distinct coefficients keep distinct eigenvalue tuples apart in the combination.
-    coefficients = torch.tensor([math.sqrt(2.0 + k) for k in range(len(checked))], dtype=_DTYPE)
+    # Square roots of distinct primes are linearly independent over the rationals, so distinct
+    # eigenvalue tuples (0/1 for the hypercube) get distinct eigenvalues in the combination.
+    coefficients = torch.tensor([math.sqrt(p) for p in _first_primes(len(checked))], dtype=_DTYPE)
     _, vectors = torch.linalg.eigh(torch.einsum("t,tij->ij", coefficients, reduced))
     diagonalized = vectors.T @ reduced @ vectors  # (T, n-1, n-1)
     table = torch.diagonal(diagonalized, dim1=1, dim2=2)  # (T, n-1)
@@ -270,6 +282,7 @@ def consensus_rate_periodic(
 
 
 def _step(theta: Tensor, anchor: Tensor, matrix: Tensor, gamma: float, form: str) -> tuple[Tensor, Tensor]:
+    # anchor is x: the anchor (anchored form) or the previous mixed point W z (post_mix).
     if form == "anchored":
         sent = theta + gamma * (theta - anchor)  # u, (n, d)
         mixed = matrix @ sent
@@ -293,7 +306,7 @@ def _log_disagreement(
     theta = torch.randn(world_size, columns, generator=generator, dtype=_DTYPE)  # (n, d)
     theta -= theta.mean(dim=0)
     anchor = theta.clone()  # zero initial momentum: x(0) = theta(0)
-    log_scale = -math.log(theta.norm().item())  # log of the total rescaling so far
+    log_scale = -math.log(theta.norm().item())  # log(total rescaling / ||theta_0 - mean||)
     logs = [0.0]
     for t in range(rounds):
         theta, anchor = _step(theta, anchor, sample_matrix(first_round + t), gamma, form)
@@ -335,8 +348,8 @@ def disagreement_trajectory(
         first_round: round index of the first round (shifts a random schedule).
 
     Returns:
-        (rounds + 1,) float64: ||theta_t - mean|| / ||theta_0 - mean||, computed with per-round
-        renormalization (entries may underflow to 0 or overflow to inf only at the end).
+        (rounds + 1,) float64: ||theta_t - mean|| / ||theta_0 - mean||. The run renormalizes
+        every round and tracks logs, so only these final ratios can underflow to 0 or overflow.
     """
     check_form(form)
     check_outer_momentum(outer_momentum)

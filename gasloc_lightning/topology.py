@@ -27,21 +27,24 @@ Edges that coincide (ring with n = 2, torus with r = 2 or c = 2) have their weig
 so the row sums and the spectrum stay those of the general case; every named graph is
 positive semidefinite. World size 1 is accepted by every topology and means no peers.
 
-Default outer momentum gamma (``default_outer_momentum``), for the default anchored form:
+Default outer momentum gamma (``default_outer_momentum``) for the default anchored form, with
+the consensus rate it gives (per-round contraction of the disagreement, no gradients; < 1 is
+stable) at n = 16 / 64:
 
-=============  =============  ==============================================================
-topology       gamma          why
-=============  =============  ==============================================================
-one_peer       0.9            DiLoCo's value; the anchored form is stable on random matchings
-two_peer       0.9            for every gamma <= 0.95 (n = 8..1024), and on two_peer, ring,
-ring, torus    0.9            torus, complete at any n we check (consensus rates below).
-complete       0.9            Exactly DiLoCo's outer Nesterov step; consensus rate 0.
-exponential    0.9, n <= 16   The hypercube is stable for any gamma < 1 up to n = 16 but only
-               0.7, n >= 32   up to 0.848 (n = 32), 0.786 (n = 64), -> 0.707: ALGORITHM.md caps
-                              it at 0.7 there.
-custom         0.9 if stable  otherwise 0.9 x its largest stable gamma.
-local          0.0            Nothing to keep in agreement; momentum stays a user choice.
-=============  =============  ==============================================================
+===========  ==============  =============  =================================================
+topology     gamma           rate 16 / 64   why
+===========  ==============  =============  =================================================
+one_peer     0.9             0.873 / 0.892  DiLoCo's value. ALGORITHM.md measured the
+two_peer     0.9             0.744 / 0.767  anchored form stable for every gamma <= 0.95 on
+ring         0.9             0.930 / 0.986  one_peer (n = 8..1024), two_peer and ring
+torus        0.9             0.822 / 0.913  (n <= 64); torus: exact rates as listed.
+complete     0.9             0 / 0          Exactly DiLoCo's outer Nesterov step.
+exponential  0.9 (n <= 16)   0.949 / -      Stable for any gamma < 1 up to n = 16, but only
+             0.7 (n >= 32)   - / 0.949      up to 0.848 (n = 32), 0.786 (n = 64), falling to
+                                            0.707: ALGORITHM.md caps gamma at 0.7 there.
+custom       0.9 if stable                  else 0.9 x its largest stable gamma.
+local        0.0             1 / 1          Nothing keeps the replicas together anyway.
+===========  ==============  =============  =================================================
 
 Whenever 0.9 is not stable (any topology, e.g. the post_mix form on a random graph), the
 default becomes 0.9 x the largest stable gamma, rounded down to 3 decimals, which keeps a
@@ -161,7 +164,8 @@ class Topology(abc.ABC):
             shape = (world_size, world_size)
             return torch.sparse_coo_tensor(indices, values, shape, check_invariants=False).coalesce()
         flat = torch.tensor([row * world_size + column for row, column in zip(rows, columns)])
-        return torch.zeros(world_size * world_size, dtype=_DTYPE).index_add_(0, flat, values).view(world_size, -1)
+        matrix = torch.zeros(world_size * world_size, dtype=_DTYPE).index_add_(0, flat, values)
+        return matrix.view(world_size, world_size)
 
     def spectral_gap(self, world_size: int) -> float:
         """Spectral gap of the schedule.
@@ -590,7 +594,9 @@ class CustomTopology(Topology):
     def check_world_size(self, world_size: int) -> None:
         super().check_world_size(world_size)
         if self._world_size is not None and world_size != self._world_size:
-            raise TopologyError(f"topology 'custom' was built for world_size {self._world_size}, got {world_size}")
+            raise TopologyError(
+                f"topology 'custom' was built for world_size {self._world_size}, got {world_size}"
+            )
         self._check_ranks(world_size)
         unreached = self._memo(("unreached", world_size), lambda: self._unreached(world_size))
         if unreached:
@@ -643,5 +649,5 @@ def build_topology(spec: str | Topology, seed: int = 0) -> Topology:
     if name not in TOPOLOGIES:
         raise TopologyError(f"unknown topology {spec!r}; valid names: {sorted(TOPOLOGIES)}")
     if TOPOLOGIES[name] is CustomTopology:
-        raise TopologyError("topology 'custom' needs its edges: pass CustomTopology(edges=...) instead of a name")
+        raise TopologyError("topology 'custom' needs its edges: pass CustomTopology(edges=...), not a name")
     return TOPOLOGIES[name](seed=seed)

@@ -121,7 +121,8 @@ def test_post_mix_fixed_graph_condition():
     W = torch.tensor([[0.25, 0.75], [0.75, 0.25]], dtype=torch.float64)  # lambda = 1, -1/2
     assert consensus_rate_fixed(W, 0.45, "post_mix") < 1.0
     assert consensus_rate_fixed(W, 0.55, "post_mix") > 1.0
-    assert max_stable_momentum(lambda g: consensus_rate_fixed(W, g, "post_mix")) == pytest.approx(0.5, abs=1e-3)
+    limit = max_stable_momentum(lambda g: consensus_rate_fixed(W, g, "post_mix"))
+    assert limit == pytest.approx(0.5, abs=1e-3)
 
 
 def test_max_stable_momentum_bisection():
@@ -175,19 +176,21 @@ def test_oracle_7_ring_of_16():
     plain = disagreement_trajectory(fixed(RING_16), 16, 0.0, "post_mix", rounds=400)
     assert float(plain[-1] / plain[-2]) == pytest.approx(0.9619, abs=1e-4)
     assert consensus_rate_fixed(RING_16, 0.0, "post_mix") == pytest.approx(0.9619, abs=1e-4)
-    accelerated = [
-        rounds_to(disagreement_trajectory(fixed(RING_16), 16, 0.674, "post_mix", rounds=400, seed=s))
-        for s in range(3)
-    ]
-    slow = [rounds_to(disagreement_trajectory(fixed(RING_16), 16, 0.0, "post_mix", rounds=400, seed=s)) for s in range(3)]
-    assert statistics.mean(accelerated) == pytest.approx(73, rel=0.15)
-    assert statistics.mean(slow) == pytest.approx(339, rel=0.15)
+    assert ring_post_mix_rounds(0.674) == pytest.approx(73, rel=0.15)
+    assert ring_post_mix_rounds(0.0) == pytest.approx(339, rel=0.15)
+
+
+def ring_post_mix_rounds(gamma: float) -> float:
+    """Mean over 3 seeds of the rounds post_mix needs to reach 1e-6 on the ring of 16."""
+    runs = [disagreement_trajectory(fixed(RING_16), 16, gamma, "post_mix", rounds=400, seed=s) for s in range(3)]
+    return statistics.mean(rounds_to(run) for run in runs)
 
 
 def test_switching_safe_momentum_holds_on_mixed_non_commuting_schedules():
     """gamma = 0.44 contracts when fixed, random and hypercube PSD graphs alternate arbitrarily."""
     n = 16
-    graphs = [build_topology(name, seed=1) for name in ("one_peer", "two_peer", "ring", "torus", "exponential")]
+    names = ("one_peer", "two_peer", "ring", "torus", "exponential")
+    graphs = [build_topology(name, seed=1) for name in names]
     generator = torch.Generator().manual_seed(0)
     picks = torch.randint(len(graphs), (400,), generator=generator).tolist()
     mixed = lambda t: graphs[picks[t]].mixing_matrix(n, t)  # noqa: E731

@@ -156,7 +156,8 @@ def test_build_topology():
 def test_flags():
     assert build_topology("complete").uses_all_reduce
     assert not any(build_topology(name).uses_all_reduce for name in NAMED if name != "complete")
-    assert {name for name in NAMED if build_topology(name).time_varying} == {"one_peer", "two_peer", "exponential"}
+    time_varying = {name for name in NAMED if build_topology(name).time_varying}
+    assert time_varying == {"one_peer", "two_peer", "exponential"}
 
 
 def test_custom_topology_accepts_both_spellings():
@@ -310,6 +311,29 @@ def test_rate_arguments_are_validated():
         topology.consensus_rate(8, 0.5, "nesterov")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="two_peer"):
         TwoPeerTopology().consensus_rate(2, 0.5)
+
+
+def test_sparse_mixing_simulates_like_dense():
+    """Large n simulates with sparse W; both must give the same dynamics."""
+    topology = OnePeerTopology(seed=2)
+    dense = stability.disagreement_trajectory(lambda t: topology.mixing_matrix(72, t), 72, 0.9, rounds=40)
+    sparse = stability.disagreement_trajectory(
+        lambda t: topology.mixing_matrix(72, t, sparse=True), 72, 0.9, rounds=40
+    )
+    torch.testing.assert_close(sparse, dense, rtol=1e-10, atol=0)
+
+
+class OffByOne(Topology):
+    name = "off_by_one"
+    time_varying = False
+
+    def mixing_weights(self, rank, world_size, round_index):
+        return {rank + 1: 0.5}
+
+
+def test_mixing_matrix_refuses_peers_outside_the_world():
+    with pytest.raises(TopologyError, match="off_by_one.*outside world_size 4"):
+        OffByOne().mixing_matrix(4, 0)
 
 
 def test_world_size_one_has_no_peers():
