@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gasloc_lightning import checkpoint as ckpt
+from gasloc_lightning.exchange import MESSAGE_DTYPES, CorrectionExchange
 from gasloc_lightning.outer import OuterState, mix, validate_outer_hyperparameters
 from gasloc_lightning.stability import SWITCHING_SAFE_MOMENTUM
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
@@ -46,7 +47,10 @@ class LocalStepsStrategy(DDPStrategy):
     """Base for strategies that train locally for H optimizer steps, then run a communication round.
 
     Args:
-        inner_steps: H, optimizer steps between two rounds (>= 1).
+        inner_steps: H, optimizer steps between two rounds (>= 1), or one H_i per rank (the paper's
+            heterogeneous workers): a round then lasts max(H_i) steps of the training loop on every rank,
+            and a worker with a smaller H_i computes but does not apply its last max(H_i) - H_i steps
+            (a slower worker does fewer updates in the same time), so rounds stay aligned.
         gossip_timeout: seconds any point-to-point wait may take before failing with the round and peers named.
         collective_timeout: seconds the process group's collectives may take (default 2 x gossip_timeout).
         consensus_every: every this many rounds, all ranks measure the consensus distance together (0: never).
@@ -64,7 +68,7 @@ class LocalStepsStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        inner_steps: int = 50,
+        inner_steps: int | Sequence[int] = 50,
         gossip_timeout: float = 300.0,
         collective_timeout: float | None = None,
         consensus_every: int = 10,
@@ -80,7 +84,8 @@ class LocalStepsStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         start_method: StartMethod = "popen",
     ) -> None:
-        _check_positive_int("inner_steps (H)", inner_steps)
+        for steps in [inner_steps] if isinstance(inner_steps, int) else list(inner_steps):
+            _check_positive_int("inner_steps (H)", steps)
         _check_positive_number("gossip_timeout", gossip_timeout)
         collective_timeout = 2.0 * gossip_timeout if collective_timeout is None else collective_timeout
         _check_positive_number("collective_timeout", collective_timeout)
@@ -101,7 +106,7 @@ class LocalStepsStrategy(DDPStrategy):
             timeout=timedelta(seconds=collective_timeout),
             start_method=start_method,
         )
-        self._inner_steps = inner_steps
+        self._inner_steps: int | list[int] = inner_steps if isinstance(inner_steps, int) else list(inner_steps)
         self._gossip_timeout = float(gossip_timeout)
         self._collective_timeout = float(collective_timeout)
         self._consensus_every = consensus_every
@@ -126,7 +131,21 @@ class LocalStepsStrategy(DDPStrategy):
     # ------------------------------------------------------------------ properties
     @property
     def inner_steps(self) -> int:
-        return self._inner_steps
+        """H_i, the optimizer steps this rank applies per round."""
+        if isinstance(self._inner_steps, int):
+            return self._inner_steps
+        return self._inner_steps[self.global_rank]
+
+    @property
+    def round_length(self) -> int:
+        """Steps of the training loop per round: max over ranks of H_i (identical on every rank)."""
+        return self._inner_steps if isinstance(self._inner_steps, int) else max(self._inner_steps)
+
+    def _check_inner_steps(self, world_size: int) -> None:
+        if not isinstance(self._inner_steps, int) and len(self._inner_steps) != world_size:
+            raise ValueError(
+                f"inner_steps has {len(self._inner_steps)} values (one H_i per rank) but the world size is {world_size}"
+            )
 
     @property
     def round_index(self) -> int:
@@ -210,7 +229,8 @@ class LocalStepsStrategy(DDPStrategy):
         self._layout = FlatLayout(self.model)
         self._work = self._layout.new_buffer()
         self._transport = GossipTransport(
-            self._layout.numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None
+            self._layout.numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None,
+            dtype=self._message_dtype(),
         )
         self._check_same_model_on_every_rank()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -287,6 +307,26 @@ class LocalStepsStrategy(DDPStrategy):
     def _init_outer_state(self) -> None:
         """Create the per-worker outer state from the (now identical) live parameters."""
 
+    def _message_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def _drain_exchanges(self) -> None:
+        """Hook: finish any exchange still in flight before the message or receive buffers are reused."""
+
+    def _flush_exchanges(self) -> None:
+        """Hook: at the end of training, fold in whatever is still in flight."""
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The world size is known here, in the main process, before any worker is launched:
+        # configuration errors surface at Trainer(...) instead of inside every child.
+        self.check_configuration(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    def check_configuration(self, world_size: int) -> None:
+        """Refuse configurations that cannot work with ``world_size`` workers."""
+        self._check_inner_steps(world_size)
+
     # ------------------------------------------------------------------ the round
     @override
     def optimizer_step(
@@ -296,10 +336,13 @@ class LocalStepsStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._steps_in_round < self.inner_steps:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:  # this worker has done its H_i steps: compute (Lightning needs the closure run), do not apply
+            output = closure()
         # Counted after the precision plugin, whether or not it skipped the update: rounds stay aligned.
         self._steps_in_round += 1
-        if self._steps_in_round >= self._inner_steps:
+        if self._steps_in_round >= self.round_length:
             self.end_round()
         return output
 
@@ -312,11 +355,13 @@ class LocalStepsStrategy(DDPStrategy):
             self._consensus_distance = self.measure_consensus_distance()
 
     def finish_pending_round(self) -> bool:
-        """Run a final, shorter round if steps were taken since the last one (end of training)."""
-        if self._steps_in_round == 0:
-            return False
-        self.end_round()
-        return True
+        """Run a final, shorter round if steps were taken since the last one, then fold in any exchange
+        still in flight (end of training). Returns whether a final round ran."""
+        ran = self._steps_in_round > 0
+        if ran:
+            self.end_round()
+        self._flush_exchanges()
+        return ran
 
     def _communicate(self) -> None:
         raise NotImplementedError
@@ -373,6 +418,7 @@ class LocalStepsStrategy(DDPStrategy):
         """Mean over workers of ||theta_i - mean(theta)||^2 over the trainable parameters (a collective)."""
         if self.world_size <= 1:
             return 0.0
+        self._drain_exchanges()
         params, _ = self.layout.split(self.layout.gather(self._work))
         mean = self._transport.receive_buffer(0)[: params.numel()]
         mean.copy_(params)
@@ -387,6 +433,7 @@ class LocalStepsStrategy(DDPStrategy):
         """Replace every replica by the average of all replicas (a collective); ``restore_local`` undoes it."""
         if self._local_backup is not None:
             return
+        self._drain_exchanges()
         self._local_backup = self.layout.gather(self._work)
         if self.world_size > 1:
             mean = self._transport.receive_buffer(0)
@@ -468,6 +515,7 @@ class LocalStepsStrategy(DDPStrategy):
             (directory / ckpt.META_FILE).unlink(missing_ok=True)  # incomplete until rewritten below
         self.barrier("gasloc.save_checkpoint.start")
         directory.mkdir(parents=True, exist_ok=True)  # per-node disks: every node makes its own
+        self._drain_exchanges()
         checkpoint = dict(checkpoint)
         checkpoint["gasloc"] = {"strategy": self.strategy_state_dict(), "rng": ckpt.capture_rng_states()}
         shared, own = ckpt.split_checkpoint(checkpoint)
@@ -531,6 +579,10 @@ class GASLoCStrategy(LocalStepsStrategy):
         topology: a name (``one_peer``, ``two_peer``, ``ring``, ``torus``, ``exponential``, ``complete``,
             ``local``) or a :class:`~gasloc_lightning.topology.Topology` object.
         seed: shared seed of the random graph schedule (every rank derives the same peers from it).
+        overlap: post round t's exchange and start round t+1 at once; the peers' points are folded in
+            one round late (see :mod:`gasloc_lightning.exchange`). Costs one more model-size buffer.
+        message_dtype: ``"float32"`` or ``"bfloat16"`` points on the wire (half the bytes; the mean of
+            the replicas is still preserved exactly).
         **kwargs: the arguments of :class:`LocalStepsStrategy` (timeouts, ``on_nonfinite``, ``cpu_threads``,
             ``start_method`` and Lightning's ``DDPStrategy`` arguments).
     """
@@ -546,6 +598,8 @@ class GASLoCStrategy(LocalStepsStrategy):
         outer_form: Literal["anchored", "post_mix"] = "anchored",
         topology: str | Topology = "one_peer",
         seed: int = 0,
+        overlap: bool = False,
+        message_dtype: Literal["float32", "bfloat16"] = "float32",
         **kwargs: Any,
     ) -> None:
         if isinstance(topology, str) and topology.lower() not in TOPOLOGIES:
@@ -553,7 +607,12 @@ class GASLoCStrategy(LocalStepsStrategy):
         validate_outer_hyperparameters(outer_lr, 0.0 if outer_momentum is None else outer_momentum, outer_form)
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        if message_dtype not in MESSAGE_DTYPES:
+            raise ValueError(f"message_dtype must be one of {sorted(MESSAGE_DTYPES)}, got {message_dtype!r}")
         super().__init__(inner_steps=inner_steps, **kwargs)
+        self._overlap = bool(overlap)
+        self._wire_dtype = MESSAGE_DTYPES[message_dtype]
+        self._exchange: CorrectionExchange | None = None
         self._topology = build_topology(topology, seed=seed)
         self._outer_lr = float(outer_lr)
         self._requested_momentum = outer_momentum
@@ -586,33 +645,36 @@ class GASLoCStrategy(LocalStepsStrategy):
         return self._outer
 
     @override
-    def _configure_launcher(self) -> None:
-        # The world size is known here, in the main process, before any worker is launched:
-        # configuration errors surface at Trainer(...) instead of inside every child.
-        self.check_configuration(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
     def check_configuration(self, world_size: int) -> None:
         """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""
+        super().check_configuration(world_size)
+        if self._topology.uses_all_reduce and (self._overlap or self._wire_dtype != torch.float32):
+            raise ValueError(
+                "overlap=True and message_dtype='bfloat16' apply to point-to-point gossip; topology='complete' "
+                "is an all-reduce (use a sparse topology, or DiLoCoStrategy)"
+            )
         if world_size <= 1:
             self._outer_momentum = 0.0 if self._requested_momentum is None else self._requested_momentum
             return
         self._topology.check_world_size(world_size)
         if self._requested_momentum is None:
-            self._outer_momentum = self._topology.default_outer_momentum(world_size, self._outer_form)
+            delayed = {"overlap": True} if self._overlap else {}
+            self._outer_momentum = self._topology.default_outer_momentum(world_size, self._outer_form, **delayed)
         if self._topology.name == "local":
             return
         self._check_stability(world_size)
 
     def _check_stability(self, world_size: int) -> None:
         gamma, form = self._outer_momentum, self._outer_form
-        rate = self._topology.consensus_rate(world_size, gamma, form)
+        delayed = {"overlap": True} if self._overlap else {}
+        rate = self._topology.consensus_rate(world_size, gamma, form, **delayed)
         if rate >= 1.0:
-            limit = self._topology.max_stable_momentum(world_size, form)
+            limit = self._topology.max_stable_momentum(world_size, form, **delayed)
             advice = "no gamma is stable" if limit is None else f"the largest stable gamma is about {limit:.3f}"
             raise ValueError(
                 f"outer_momentum (gamma) = {gamma} is unstable for topology {self._topology.name!r} with "
-                f"{world_size} workers and outer_form={form!r} (consensus rate {rate:.4f} >= 1): {advice}"
+                f"{world_size} workers, outer_form={form!r}, overlap={self._overlap} (consensus rate {rate:.4f} "
+                f">= 1): {advice}"
             )
         if type(self._topology).__module__ != "gasloc_lightning.topology" and self._topology.time_varying:
             if gamma > SWITCHING_SAFE_MOMENTUM:
@@ -634,6 +696,31 @@ class GASLoCStrategy(LocalStepsStrategy):
             rank_zero_info("GASLoC with a single worker: local training with outer steps, no communication.")
         params, _ = self.layout.split(self.layout.gather(self._work))
         self._outer = OuterState(params, self._outer_lr, self.outer_momentum, self._outer_form)
+        if self._overlap or self._wire_dtype != torch.float32:
+            self._exchange = CorrectionExchange(
+                self.transport, self.layout.numel, self._wire_dtype, self._overlap, accept=self._accept
+            )
+
+    @override
+    def _message_dtype(self) -> torch.dtype:
+        return self._wire_dtype
+
+    @override
+    def _drain_exchanges(self) -> None:
+        if self._exchange is not None:
+            self._exchange.drain()
+
+    @override
+    @torch.no_grad()
+    def _flush_exchanges(self) -> None:
+        if self._exchange is None:
+            return
+        self._exchange.drain()
+        correction = self._exchange.take()
+        if correction is not None:  # the last delayed term: theta += C for the live point and the round start
+            live = self.layout.gather(self._work).add_(correction)
+            self.layout.scatter(live)
+            self._outer.round_start.add_(self.layout.split(correction)[0])
 
     def peers(self, round_index: int | None = None) -> dict[int, float]:
         """This rank's peers and mixing weights w_ij in round t (default: the current round)."""
@@ -647,6 +734,7 @@ class GASLoCStrategy(LocalStepsStrategy):
     def _communicate(self) -> None:
         assert self._outer is not None and self._transport is not None
         layout, outer = self.layout, self._outer
+        self._drain_exchanges()  # an overlapped exchange may still read the message buffer
         message = layout.gather(self._work)  # thetaH | buffers
         self._guard_local_point(message, outer.round_start)
         params, buffers = layout.split(message)
@@ -655,6 +743,8 @@ class GASLoCStrategy(LocalStepsStrategy):
         if self._topology.uses_all_reduce and self.world_size > 1:
             self._transport.all_reduce_mean(message)
             mixed.copy_(params)
+        elif self._exchange is not None:
+            buffers = self._mix_by_correction(message, mixed)
         else:
             pending = self._transport.post(message, self.peers(), self._round_index)
             received = self._accept(self._transport.complete(pending), sorted(pending.peers))
@@ -663,6 +753,20 @@ class GASLoCStrategy(LocalStepsStrategy):
             mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)
         layout.scatter_parameters(outer.finish(params, mixed))
         layout.scatter_buffers(buffers)
+
+    def _mix_by_correction(self, message: Tensor, mixed: Tensor) -> Tensor:
+        """theta' = u + C (low-precision or delayed gossip); returns the new float buffers.
+
+        ``message`` may be in flight afterwards (overlap): it is only read from here on.
+        """
+        params, buffers = self.layout.split(message)
+        correction = self._exchange.exchange(message, self.peers(), self._round_index)
+        if correction is None:
+            mixed.copy_(params)
+            return buffers
+        params_correction, buffers_correction = self.layout.split(correction)
+        torch.add(params, params_correction, out=mixed)
+        return buffers_correction.add_(buffers)
 
     @override
     def _on_replicas_averaged(self) -> None:
@@ -674,6 +778,9 @@ class GASLoCStrategy(LocalStepsStrategy):
     def strategy_state_dict(self) -> dict[str, Any]:
         state = super().strategy_state_dict()
         state["outer"] = self._outer.state_dict() if self._outer else None
+        if self._exchange is not None:
+            self._exchange.drain()
+            state["exchange"] = self._exchange.state_dict()
         return state
 
     @override
@@ -681,6 +788,8 @@ class GASLoCStrategy(LocalStepsStrategy):
         super().load_strategy_state_dict(state)
         if self._outer is not None and state.get("outer") is not None:
             self._outer.load_state_dict(state["outer"])
+        if self._exchange is not None and state.get("exchange") is not None:
+            self._exchange.load_state_dict(state["exchange"])
 
     @classmethod
     @override

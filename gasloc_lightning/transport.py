@@ -152,6 +152,7 @@ class GossipTransport:
         timeout: deadline in seconds for one exchange to complete.
         bucket_cap_mb: largest single send, in MiB.
         group: process group (default: the world).
+        dtype: dtype of the messages (and of the receive buffers).
     """
 
     def __init__(
@@ -161,13 +162,15 @@ class GossipTransport:
         timeout: float,
         bucket_cap_mb: float = 64.0,
         group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.numel, self.device, self.timeout, self.group = numel, device, float(timeout), group
-        self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // 4)
+        self.dtype = dtype
+        self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         self._receive_buffers: list[Tensor] = []
         self.counters = TrafficCounters()
 
@@ -181,7 +184,7 @@ class GossipTransport:
 
     def receive_buffer(self, slot: int) -> Tensor:
         while len(self._receive_buffers) <= slot:
-            self._receive_buffers.append(torch.empty(self.numel, dtype=torch.float32, device=self.device))
+            self._receive_buffers.append(torch.empty(self.numel, dtype=self.dtype, device=self.device))
         return self._receive_buffers[slot]
 
     def _buckets(self, flat: Tensor) -> list[Tensor]:

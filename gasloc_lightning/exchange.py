@@ -1,0 +1,121 @@
+"""Gossip written as a correction: low-precision messages and one-round-delayed (overlapped) mixing.
+
+Plain gossip moves worker i to ``theta_i' = u_i - sum_j w_ij (u_i - u_j)``. Written as a correction
+of the exchanged message m (m = u, or its bfloat16 rounding),
+
+    theta_i' = u_i + C_i,        C_i = sum_j w_ij (m_j - m_i),
+
+two variants follow with no change to the outer step:
+
+- ``message_dtype=torch.bfloat16``: m_i = bf16(u_i) halves the bytes. Worker i uses its own
+  *rounded* message in C_i, so C_i is antisymmetric per pair and the replicas' mean is still
+  preserved exactly; only the disagreement sees the rounding.
+- ``overlap=True``: the exchange of round t is posted and the next inner phase starts at once;
+  C_i(t) is folded in at the end of round t+1:
+
+      theta_i(t+1) = u_i(t) + C_i(t-1),   C_i(t-1) = sum_j w_ij(t-1) (m_j(t-1) - m_i(t-1)).
+
+  The delayed term is still antisymmetric per pair, so the mean is preserved (rejected messages
+  excepted). Its stability is checked by ``Topology.consensus_rate(..., overlap=True)``.
+
+Buffers: one float32 correction C (model size), the low-precision send buffer if any, and the
+transport's receive buffers. Nothing in flight may be written: the strategy calls :meth:`drain`
+before it reuses the message buffer or the receive buffers (evaluation, checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from gasloc_lightning.transport import GossipTransport, PendingExchange
+
+MESSAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+Accept = Callable[[list[tuple[float, Tensor]], list[int]], list[tuple[float, Tensor]]]
+
+
+class CorrectionExchange:
+    """Posts this worker's message and turns what comes back into the correction C_i.
+
+    Args:
+        transport: the point-to-point transport (its receive buffers have ``message_dtype``).
+        numel: elements of one message.
+        message_dtype: dtype on the wire (float32 or bfloat16).
+        overlap: fold each exchange in one round late instead of waiting for it.
+        accept: filters received messages (drops non-finite ones); gets ``(received, peers)``.
+    """
+
+    def __init__(
+        self,
+        transport: GossipTransport,
+        numel: int,
+        message_dtype: torch.dtype,
+        overlap: bool,
+        accept: Accept,
+    ) -> None:
+        self.transport, self.overlap, self.message_dtype = transport, overlap, message_dtype
+        self._accept = accept
+        self.correction = torch.zeros(numel, dtype=torch.float32, device=transport.device)
+        self.ready = False  # `correction` holds a term not yet applied
+        self._send = None if message_dtype == torch.float32 else torch.empty(numel, dtype=message_dtype,
+                                                                              device=transport.device)
+        self._pending: PendingExchange | None = None
+        self._sent: Tensor | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def exchange(self, message: Tensor, peers: Mapping[int, float], round_index: int) -> Tensor | None:
+        """Send ``message`` (which must stay untouched until drained); return the correction to apply now.
+
+        Without overlap that is this exchange's correction; with overlap, the previous one's.
+        """
+        if self.overlap:
+            self.drain()
+            current = self.take()
+            self._post(message, peers, round_index)
+            return current
+        self._post(message, peers, round_index)
+        self.drain()
+        return self.take()
+
+    def _post(self, message: Tensor, peers: Mapping[int, float], round_index: int) -> None:
+        wire = message if self._send is None else self._send.copy_(message)
+        self._sent = wire
+        self._pending = self.transport.post(wire, peers, round_index)
+
+    def drain(self) -> None:
+        """Wait for the exchange in flight (if any) and compute its correction into ``self.correction``."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        received = self._accept(self.transport.complete(pending), sorted(pending.peers))
+        if self.ready:
+            raise RuntimeError("a correction was drained before the previous one was applied")
+        self.correction.zero_()
+        for weight, incoming in received:
+            self.correction.add_(incoming, alpha=weight)  # sum_j w_ij m_j
+        self.correction.sub_(self._sent, alpha=sum(weight for weight, _ in received))  # - sum_j w_ij m_i
+        self.ready = bool(received)
+
+    def take(self) -> Tensor | None:
+        """The correction to apply now (consumed), or None."""
+        if not self.ready:
+            return None
+        self.ready = False
+        return self.correction
+
+    def state_dict(self) -> dict:
+        """After :meth:`drain`: the unapplied correction, so a resumed run folds it in at the same round."""
+        if self._pending is not None:
+            raise RuntimeError("drain() the exchange in flight before saving its state")
+        return {"ready": self.ready, "correction": self.correction.clone() if self.ready else None}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.ready = bool(state["ready"])
+        if self.ready:
+            self.correction.copy_(state["correction"])
