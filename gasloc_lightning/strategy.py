@@ -61,6 +61,9 @@ class LocalStepsStrategy(DDPStrategy):
             non-finite entries of its optimizer state are zeroed) and still takes part in the exchange, so
             peers never wait and never receive it; ``"raise"`` stops at once.
         max_skipped_rounds: consecutive skipped rounds after which the worker stops with an error.
+        ranks_per_worker: k ranks (e.g. the GPUs of one node) form one worker: they train as DDP among
+            themselves (gradient all-reduce inside the worker) and gossip as one worker with the others
+            (the worker's first rank exchanges, then broadcasts the result inside the worker).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
     """
@@ -76,6 +79,7 @@ class LocalStepsStrategy(DDPStrategy):
         cpu_threads: int | Literal["auto"] | None = "auto",
         on_nonfinite: Literal["skip_round", "raise"] = "skip_round",
         max_skipped_rounds: int = 3,
+        ranks_per_worker: int = 1,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -96,6 +100,7 @@ class LocalStepsStrategy(DDPStrategy):
         if on_nonfinite not in ("skip_round", "raise"):
             raise ValueError(f"on_nonfinite must be 'skip_round' or 'raise', got {on_nonfinite!r}")
         _check_positive_int("max_skipped_rounds", max_skipped_rounds)
+        _check_positive_int("ranks_per_worker", ranks_per_worker)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -120,6 +125,8 @@ class LocalStepsStrategy(DDPStrategy):
         self._consensus_distance: float | None = None
         self._local_backup: Tensor | None = None  # local replica while the consensus model is swapped in
         self._on_nonfinite = on_nonfinite
+        self._ranks_per_worker = ranks_per_worker
+        self._worker_group: dist.ProcessGroup | None = None
         self._max_skipped_rounds = max_skipped_rounds
         self._consecutive_skips = 0
         self._skipped_rounds = 0
@@ -174,6 +181,24 @@ class LocalStepsStrategy(DDPStrategy):
         if self._layout is None:
             raise RuntimeError(f"{type(self).__name__} is not set up yet")
         return self._layout
+
+    @property
+    def ranks_per_worker(self) -> int:
+        return self._ranks_per_worker
+
+    @property
+    def num_workers(self) -> int:
+        """Workers that gossip: world size / ranks_per_worker."""
+        return self.world_size // self._ranks_per_worker
+
+    @property
+    def worker_index(self) -> int:
+        return self.global_rank // self._ranks_per_worker
+
+    @property
+    def is_worker_leader(self) -> bool:
+        """Whether this rank exchanges for its worker (the worker's first rank)."""
+        return self.global_rank % self._ranks_per_worker == 0
 
     @property
     def transport(self) -> GossipTransport:
@@ -235,6 +260,7 @@ class LocalStepsStrategy(DDPStrategy):
         self._check_same_model_on_every_rank()
         if trainer.state.fn == TrainerFn.FITTING:
             self._broadcast_initial_weights()
+            self._wrap_inside_worker()
             self.setup_optimizers(trainer)
             self._check_optimizers()
         self.setup_precision_plugin()
@@ -287,6 +313,27 @@ class LocalStepsStrategy(DDPStrategy):
         dist.broadcast(flat, src=0)
         self.layout.scatter(flat)
 
+    def _wrap_inside_worker(self) -> None:
+        """With k ranks per worker: DDP (gradient all-reduce) inside each worker's process group."""
+        if self._ranks_per_worker == 1:
+            return
+        k = self._ranks_per_worker
+        # new_group is collective: every rank creates every worker's group, in the same order.
+        for worker in range(self.num_workers):
+            group = dist.new_group(list(range(worker * k, (worker + 1) * k)))
+            if worker == self.worker_index:
+                self._worker_group = group
+        self._ddp_kwargs["process_group"] = self._worker_group
+        super().configure_ddp()
+
+    def broadcast_in_worker(self, *tensors: Tensor) -> None:
+        """Copy the worker leader's tensors to the other ranks of its worker (no-op with one rank per worker)."""
+        if self._worker_group is None:
+            return
+        leader = self.worker_index * self._ranks_per_worker
+        for tensor in tensors:
+            dist.broadcast(tensor, src=leader, group=self._worker_group)
+
     def _check_optimizers(self) -> None:
         if len(self.optimizers) != 1:
             raise ValueError(
@@ -324,8 +371,13 @@ class LocalStepsStrategy(DDPStrategy):
         super()._configure_launcher()
 
     def check_configuration(self, world_size: int) -> None:
-        """Refuse configurations that cannot work with ``world_size`` workers."""
+        """Refuse configurations that cannot work with ``world_size`` ranks."""
         self._check_inner_steps(world_size)
+        if world_size % self._ranks_per_worker:
+            raise ValueError(
+                f"{world_size} ranks are not divisible by ranks_per_worker={self._ranks_per_worker}: every worker "
+                "needs the same number of ranks"
+            )
 
     # ------------------------------------------------------------------ the round
     @override
@@ -648,6 +700,7 @@ class GASLoCStrategy(LocalStepsStrategy):
     def check_configuration(self, world_size: int) -> None:
         """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""
         super().check_configuration(world_size)
+        world_size //= self._ranks_per_worker  # the graph connects workers
         if self._topology.uses_all_reduce and (self._overlap or self._wire_dtype != torch.float32):
             raise ValueError(
                 "overlap=True and message_dtype='bfloat16' apply to point-to-point gossip; topology='complete' "
@@ -690,9 +743,9 @@ class GASLoCStrategy(LocalStepsStrategy):
 
     @override
     def _init_outer_state(self) -> None:
-        if self._outer_momentum is None or self.world_size <= 1:
+        if self._outer_momentum is None or self.num_workers <= 1:
             self.check_configuration(self.world_size)
-        if self.world_size <= 1:
+        if self.num_workers <= 1:
             rank_zero_info("GASLoC with a single worker: local training with outer steps, no communication.")
         params, _ = self.layout.split(self.layout.gather(self._work))
         self._outer = OuterState(params, self._outer_lr, self.outer_momentum, self._outer_form)
@@ -723,11 +776,15 @@ class GASLoCStrategy(LocalStepsStrategy):
             self._outer.round_start.add_(self.layout.split(correction)[0])
 
     def peers(self, round_index: int | None = None) -> dict[int, float]:
-        """This rank's peers and mixing weights w_ij in round t (default: the current round)."""
-        if self.world_size <= 1:
+        """This rank's peers (global ranks of their worker leaders) and mixing weights w_ij in round t.
+
+        Defaults to the current round; empty for ranks that do not exchange (non-leaders, single worker).
+        """
+        if self.num_workers <= 1 or not self.is_worker_leader:
             return {}
         t = self._round_index if round_index is None else round_index
-        return self._topology.mixing_weights(self.global_rank, self.world_size, t)
+        weights = self._topology.mixing_weights(self.worker_index, self.num_workers, t)
+        return {peer * self._ranks_per_worker: weight for peer, weight in weights.items()}
 
     @override
     @torch.no_grad()
@@ -741,8 +798,10 @@ class GASLoCStrategy(LocalStepsStrategy):
         outer.message(params)  # params now hold u_i (or z_i for post_mix)
         mixed = outer.mixed_destination()
         if self._topology.uses_all_reduce and self.world_size > 1:
-            self._transport.all_reduce_mean(message)
+            self._transport.all_reduce_mean(message)  # replicas inside a worker are equal: a mean over workers
             mixed.copy_(params)
+        elif not self.is_worker_leader:
+            self.broadcast_in_worker(mixed, buffers)  # the leader exchanged for this worker
         elif self._exchange is not None:
             buffers = self._mix_by_correction(message, mixed)
         else:
@@ -751,6 +810,8 @@ class GASLoCStrategy(LocalStepsStrategy):
             n = layout.num_parameter_elements
             mix(params, [(w, r[:n]) for w, r in received], out=mixed)
             mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)
+        if self.is_worker_leader and not self._topology.uses_all_reduce:
+            self.broadcast_in_worker(mixed, buffers)
         layout.scatter_parameters(outer.finish(params, mixed))
         layout.scatter_buffers(buffers)
 

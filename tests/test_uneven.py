@@ -58,3 +58,19 @@ def test_complete_topology_refuses_overlap_and_bfloat16():
         with pytest.raises(ValueError, match="point-to-point gossip"):
             pl.Trainer(accelerator="cpu", devices=2, logger=False,
                        strategy=GASLoCStrategy(topology="complete", **kwargs))
+
+
+def test_ranks_per_worker_behave_as_one_worker(tmp_path, fresh_port):
+    """4 ranks, 2 per worker: DDP inside a worker (identical replicas), gossip between the 2 workers."""
+    strategy = GASLoCStrategy(inner_steps=3, ranks_per_worker=2, start_method="fork", gossip_timeout=60.0)
+    records = run(tmp_path, strategy, devices=4)
+    history = torch.stack([r["history"] for r in records])  # (ranks, records, P)
+    assert torch.equal(history[0], history[1]) and torch.equal(history[2], history[3])
+    assert not torch.allclose(history[0, 2], history[2, 2])  # mid-round: the two workers differ
+    assert torch.allclose(history[0, 3], history[2, 3], atol=1e-6)  # after the pairwise round: averaged
+    assert records[0]["bytes_sent"] > 0 and records[1]["bytes_sent"] == 0  # only the leader exchanges
+
+
+def test_ranks_must_divide_into_workers():
+    with pytest.raises(ValueError, match="not divisible by ranks_per_worker=2"):
+        pl.Trainer(accelerator="cpu", devices=3, strategy=GASLoCStrategy(ranks_per_worker=2), logger=False)
