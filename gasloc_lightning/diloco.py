@@ -75,6 +75,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
         torch.sub(self._round_start, params, out=params)  # pseudo-gradient Delta_i
         if self.world_size > 1:
             self._transport.all_reduce_mean(message)  # mean Delta | mean buffers
+            self._clock_all_reduce()
         self._round_start.grad = params
         self._outer_optimizer.step()
         self._round_start.grad = None

@@ -64,12 +64,15 @@ class CorrectionExchange:
                                                                               device=transport.device)
         self._pending: PendingExchange | None = None
         self._sent: Tensor | None = None
+        self.completed: PendingExchange | None = None  # the last drained exchange (its peers' clocks)
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
 
-    def exchange(self, message: Tensor, peers: Mapping[int, float], round_index: int) -> Tensor | None:
+    def exchange(
+        self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None = None
+    ) -> Tensor | None:
         """Send ``message`` (which must stay untouched until drained); return the correction to apply now.
 
         Without overlap that is this exchange's correction; with overlap, the previous one's.
@@ -77,22 +80,23 @@ class CorrectionExchange:
         if self.overlap:
             self.drain()
             current = self.take()
-            self._post(message, peers, round_index)
+            self._post(message, peers, round_index, clock)
             return current
-        self._post(message, peers, round_index)
+        self._post(message, peers, round_index, clock)
         self.drain()
         return self.take()
 
-    def _post(self, message: Tensor, peers: Mapping[int, float], round_index: int) -> None:
+    def _post(self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None) -> None:
         wire = message if self._send is None else self._send.copy_(message)
         self._sent = wire
-        self._pending = self.transport.post(wire, peers, round_index)
+        self._pending = self.transport.post(wire, peers, round_index, clock)
 
     def drain(self) -> None:
         """Wait for the exchange in flight (if any) and compute its correction into ``self.correction``."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        self.completed = pending
         received = self._accept(self.transport.complete(pending), sorted(pending.peers))
         if self.ready:
             raise RuntimeError("a correction was drained before the previous one was applied")
@@ -113,9 +117,19 @@ class CorrectionExchange:
         """After :meth:`drain`: the unapplied correction, so a resumed run folds it in at the same round."""
         if self._pending is not None:
             raise RuntimeError("drain() the exchange in flight before saving its state")
-        return {"ready": self.ready, "correction": self.correction.clone() if self.ready else None}
+        completed = None
+        if self.completed is not None:
+            completed = {"round_index": self.completed.round_index, "peers": self.completed.peers,
+                         "peer_clocks": self.completed.peer_clock_values()}
+        return {"ready": self.ready, "correction": self.correction.clone() if self.ready else None,
+                "completed": completed}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.ready = bool(state["ready"])
         if self.ready:
             self.correction.copy_(state["correction"])
+        completed = state.get("completed")
+        self.completed = None if completed is None else PendingExchange(
+            round_index=completed["round_index"], peers=dict(completed["peers"]),
+            peer_clocks={p: torch.tensor([c], dtype=torch.float64) for p, c in completed["peer_clocks"].items()},
+        )

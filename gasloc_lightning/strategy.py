@@ -33,10 +33,11 @@ from typing_extensions import override
 
 from gasloc_lightning import checkpoint as ckpt
 from gasloc_lightning.exchange import MESSAGE_DTYPES, CorrectionExchange
+from gasloc_lightning.network import NetworkModel, SimulatedClock, round_pairs
 from gasloc_lightning.outer import OuterState, mix, validate_outer_hyperparameters
 from gasloc_lightning.stability import SWITCHING_SAFE_MOMENTUM
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
-from gasloc_lightning.transport import FlatLayout, GossipTransport
+from gasloc_lightning.transport import FlatLayout, GossipTransport, PendingExchange
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class LocalStepsStrategy(DDPStrategy):
         ranks_per_worker: k ranks (e.g. the GPUs of one node) form one worker: they train as DDP among
             themselves (gradient all-reduce inside the worker) and gossip as one worker with the others
             (the worker's first rank exchanges, then broadcasts the result inside the worker).
+        network: a :class:`~gasloc_lightning.network.NetworkModel` over the workers: every rank then keeps a
+            simulated clock (compute from the modelled step time and speeds, communication from the modelled
+            links and message size), logged as ``sim_time``. Training itself is unchanged.
+        fastest_inner_steps: with ``inner_steps="auto"``, H of the fastest worker; the others get H_i in
+            proportion to their speed in ``network`` (the paper's H_i), so rounds take equal time.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
     """
@@ -71,7 +77,7 @@ class LocalStepsStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        inner_steps: int | Sequence[int] = 50,
+        inner_steps: int | Sequence[int] | Literal["auto"] = 50,
         gossip_timeout: float = 300.0,
         collective_timeout: float | None = None,
         consensus_every: int = 10,
@@ -80,6 +86,8 @@ class LocalStepsStrategy(DDPStrategy):
         on_nonfinite: Literal["skip_round", "raise"] = "skip_round",
         max_skipped_rounds: int = 3,
         ranks_per_worker: int = 1,
+        network: NetworkModel | None = None,
+        fastest_inner_steps: int = 50,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -88,7 +96,12 @@ class LocalStepsStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         start_method: StartMethod = "popen",
     ) -> None:
-        for steps in [inner_steps] if isinstance(inner_steps, int) else list(inner_steps):
+        if inner_steps == "auto" and network is None:
+            raise ValueError("inner_steps='auto' needs a network model (network=NetworkModel(...)) for the speeds")
+        if network is not None and not isinstance(network, NetworkModel):
+            raise ValueError(f"network must be a NetworkModel, got {type(network).__name__}")
+        _check_positive_int("fastest_inner_steps", fastest_inner_steps)
+        for steps in [] if inner_steps == "auto" else [inner_steps] if isinstance(inner_steps, int) else inner_steps:
             _check_positive_int("inner_steps (H)", steps)
         _check_positive_number("gossip_timeout", gossip_timeout)
         collective_timeout = 2.0 * gossip_timeout if collective_timeout is None else collective_timeout
@@ -111,7 +124,10 @@ class LocalStepsStrategy(DDPStrategy):
             timeout=timedelta(seconds=collective_timeout),
             start_method=start_method,
         )
-        self._inner_steps: int | list[int] = inner_steps if isinstance(inner_steps, int) else list(inner_steps)
+        self._inner_steps: int | list[int] | str = inner_steps if isinstance(inner_steps, (int, str)) else list(inner_steps)
+        self._network = network
+        self._fastest_inner_steps = fastest_inner_steps
+        self._clock: SimulatedClock | None = None
         self._gossip_timeout = float(gossip_timeout)
         self._collective_timeout = float(collective_timeout)
         self._consensus_every = consensus_every
@@ -149,6 +165,11 @@ class LocalStepsStrategy(DDPStrategy):
         return self._inner_steps if isinstance(self._inner_steps, int) else max(self._inner_steps)
 
     def _check_inner_steps(self, world_size: int) -> None:
+        if self._network is not None:
+            self._network.check_world_size(world_size // self._ranks_per_worker)
+        if self._inner_steps == "auto":  # one H_i per worker, repeated for each of its ranks
+            per_worker = self._network.auto_inner_steps(self._fastest_inner_steps)
+            self._inner_steps = [per_worker[rank // self._ranks_per_worker] for rank in range(world_size)]
         if not isinstance(self._inner_steps, int) and len(self._inner_steps) != world_size:
             raise ValueError(
                 f"inner_steps has {len(self._inner_steps)} values (one H_i per rank) but the world size is {world_size}"
@@ -181,6 +202,11 @@ class LocalStepsStrategy(DDPStrategy):
         if self._layout is None:
             raise RuntimeError(f"{type(self).__name__} is not set up yet")
         return self._layout
+
+    @property
+    def sim_time(self) -> float | None:
+        """This worker's simulated clock, in seconds (None without a network model)."""
+        return self._clock.time if self._clock is not None else None
 
     @property
     def ranks_per_worker(self) -> int:
@@ -269,6 +295,8 @@ class LocalStepsStrategy(DDPStrategy):
             self._round_index, self._steps_in_round = 0, 0
             self._init_outer_state()
             self._move_sigterm_check_to_round_boundaries(trainer)
+            if self._network is not None:
+                self._clock = SimulatedClock(self._network, rank=self.worker_index)
         self._attach_callback(trainer)
 
     def _move_sigterm_check_to_round_boundaries(self, trainer: pl.Trainer) -> None:
@@ -357,6 +385,18 @@ class LocalStepsStrategy(DDPStrategy):
     def _message_dtype(self) -> torch.dtype:
         return torch.float32
 
+    def _clock_all_reduce(self) -> None:
+        """An all-reduce round in simulated time: it starts at the largest clock."""
+        if self._clock is None:
+            return
+        latest = torch.tensor([self._clock.time], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+        self._clock.all_reduce(max_clock=float(latest.item()))
+
+    def _clock_tensor(self) -> Tensor:
+        time = self._clock.time if self._clock is not None else 0.0
+        return torch.tensor([time], dtype=torch.float64, device=self.root_device)
+
     def _drain_exchanges(self) -> None:
         """Hook: finish any exchange still in flight before the message or receive buffers are reused."""
 
@@ -390,6 +430,8 @@ class LocalStepsStrategy(DDPStrategy):
     ) -> Any:
         if self._steps_in_round < self.inner_steps:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._clock is not None:
+                self._clock.advance_compute(1)
         else:  # this worker has done its H_i steps: compute (Lightning needs the closure run), do not apply
             output = closure()
         # Counted after the precision plugin, whether or not it skipped the update: rounds stay aligned.
@@ -534,6 +576,7 @@ class LocalStepsStrategy(DDPStrategy):
             "skipped_rounds": self._skipped_rounds,
             "consecutive_skips": self._consecutive_skips,
             "rejected_exchanges": self._rejected_exchanges,
+            "clock": self._clock.state_dict() if self._clock is not None else None,
         }
 
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
@@ -543,6 +586,8 @@ class LocalStepsStrategy(DDPStrategy):
         self._skipped_rounds = int(state.get("skipped_rounds", 0))
         self._consecutive_skips = int(state.get("consecutive_skips", 0))
         self._rejected_exchanges = int(state.get("rejected_exchanges", 0))
+        if self._clock is not None and state.get("clock") is not None:
+            self._clock.load_state_dict(state["clock"])
         if self._transport and state.get("counters"):
             self._transport.counters.load_state_dict(state["counters"])
 
@@ -769,6 +814,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         if self._exchange is None:
             return
         self._exchange.drain()
+        self._complete_clock(self._exchange.completed)
         correction = self._exchange.take()
         if correction is not None:  # the last delayed term: theta += C for the live point and the round start
             live = self.layout.gather(self._work).add_(correction)
@@ -800,18 +846,24 @@ class GASLoCStrategy(LocalStepsStrategy):
         if self._topology.uses_all_reduce and self.world_size > 1:
             self._transport.all_reduce_mean(message)  # replicas inside a worker are equal: a mean over workers
             mixed.copy_(params)
+            self._clock_all_reduce()
         elif not self.is_worker_leader:
-            self.broadcast_in_worker(mixed, buffers)  # the leader exchanged for this worker
+            clock = self._clock_tensor()
+            self.broadcast_in_worker(mixed, buffers, clock)  # the leader exchanged for this worker
+            if self._clock is not None:
+                self._clock.follow(float(clock.item()))
         elif self._exchange is not None:
             buffers = self._mix_by_correction(message, mixed)
         else:
-            pending = self._transport.post(message, self.peers(), self._round_index)
+            clock = self._clock.post_exchange() if self._clock is not None else None
+            pending = self._transport.post(message, self.peers(), self._round_index, clock)
             received = self._accept(self._transport.complete(pending), sorted(pending.peers))
+            self._complete_clock(pending)
             n = layout.num_parameter_elements
             mix(params, [(w, r[:n]) for w, r in received], out=mixed)
             mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)
         if self.is_worker_leader and not self._topology.uses_all_reduce:
-            self.broadcast_in_worker(mixed, buffers)
+            self.broadcast_in_worker(mixed, buffers, self._clock_tensor())
         layout.scatter_parameters(outer.finish(params, mixed))
         layout.scatter_buffers(buffers)
 
@@ -821,13 +873,28 @@ class GASLoCStrategy(LocalStepsStrategy):
         ``message`` may be in flight afterwards (overlap): it is only read from here on.
         """
         params, buffers = self.layout.split(message)
-        correction = self._exchange.exchange(message, self.peers(), self._round_index)
+        if self._overlap:  # the previous round's exchange ends (in simulated time) now
+            self._complete_clock(self._exchange.completed)
+        clock = self._clock.post_exchange() if self._clock is not None else None
+        correction = self._exchange.exchange(message, self.peers(), self._round_index, clock)
+        if not self._overlap:
+            self._complete_clock(self._exchange.completed)
         if correction is None:
             mixed.copy_(params)
             return buffers
         params_correction, buffers_correction = self.layout.split(correction)
         torch.add(params, params_correction, out=mixed)
         return buffers_correction.add_(buffers)
+
+    def _complete_clock(self, pending: PendingExchange | None) -> None:
+        """Advance the simulated clock to the end of a finished exchange (peers' clocks came with it)."""
+        if self._clock is None or pending is None or not self._clock.pending:
+            return
+        k = self._ranks_per_worker
+        peer_clocks = {peer // k: value for peer, value in pending.peer_clock_values().items()}
+        nbytes = self._network.message_bytes(element_size=self._wire_dtype.itemsize)
+        pairs = round_pairs(self._topology, self.num_workers, pending.round_index)
+        self._clock.complete_exchange(peer_clocks=peer_clocks, pairs=pairs, nbytes=nbytes)
 
     @override
     def _on_replicas_averaged(self) -> None:

@@ -114,8 +114,11 @@ class PendingExchange:
     peers: dict[int, float]
     works: list = field(default_factory=list)
     received: list[tuple[float, Tensor]] = field(default_factory=list)
-    # Set when the exchange is an all-reduce; ``received`` is then empty.
-    all_reduce_out: Tensor | None = None
+    # Simulated clocks sent with the payload (float64, so both ends compute the same times).
+    peer_clocks: dict[int, Tensor] = field(default_factory=dict)
+
+    def peer_clock_values(self) -> dict[int, float]:
+        return {peer: float(clock.item()) for peer, clock in self.peer_clocks.items()}
 
 
 @dataclass
@@ -190,12 +193,15 @@ class GossipTransport:
     def _buckets(self, flat: Tensor) -> list[Tensor]:
         return list(flat.split(self._bucket_numel))
 
-    def post(self, message: Tensor, peers: Mapping[int, float], round_index: int) -> PendingExchange:
-        """Start sending ``message`` to every peer and receiving theirs; returns at once."""
+    def post(
+        self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None = None
+    ) -> PendingExchange:
+        """Start sending ``message`` (and this worker's simulated ``clock``, if any) to every peer and
+        receiving theirs; returns at once."""
         pending = PendingExchange(round_index=round_index, peers=dict(peers))
         if not peers:
             return pending
-        ops = []
+        ops = [] if clock is None else self._clock_ops(clock, peers, pending)
         for slot, peer in enumerate(sorted(peers)):
             incoming = self.receive_buffer(slot)
             for send, recv in zip(self._buckets(message), self._buckets(incoming)):
@@ -208,6 +214,15 @@ class GossipTransport:
         self.counters.bytes_received += num_bytes
         self.counters.exchanges += 1
         return pending
+
+    def _clock_ops(self, clock: float, peers: Mapping[int, float], pending: PendingExchange) -> list:
+        outgoing = torch.tensor([clock], dtype=torch.float64, device=self.device)
+        ops = []
+        for peer in sorted(peers):
+            pending.peer_clocks[peer] = torch.empty(1, dtype=torch.float64, device=self.device)
+            ops.append(dist.P2POp(dist.isend, outgoing, peer, group=self.group))
+            ops.append(dist.P2POp(dist.irecv, pending.peer_clocks[peer], peer, group=self.group))
+        return ops
 
     def complete(self, pending: PendingExchange) -> list[tuple[float, Tensor]]:
         """Wait (at most ``timeout`` seconds) for this worker's own peers; returns ``(w_ij, u_j)`` pairs."""

@@ -249,8 +249,8 @@ class CorruptMessages(Callback):
         transport = trainer.strategy.transport
         post = transport.post
 
-        def corrupt_post(message, peers, round_index):
-            return post(torch.full_like(message, float("nan")), peers, round_index)
+        def corrupt_post(message, peers, round_index, clock=None):
+            return post(torch.full_like(message, float("nan")), peers, round_index, clock)
 
         transport.post = corrupt_post
 
