@@ -5,8 +5,9 @@
 ``Trainer(strategy="gasloc")`` works.
 """
 
-from gasloc_lightning.callback import GASLoCCallback
+from gasloc_lightning.callback import GASLoCCallback, SimulatedClockCallback
 from gasloc_lightning.diloco import DiLoCoStrategy
+from gasloc_lightning.network import NetworkModel, SimulatedClock
 from gasloc_lightning.outer import OuterState
 from gasloc_lightning.registry import register_strategies
 from gasloc_lightning.strategy import GASLoCStrategy, LocalStepsStrategy
@@ -23,6 +24,9 @@ __all__ = [
     "GASLoCStrategy",
     "GossipTimeoutError",
     "LocalStepsStrategy",
+    "NetworkModel",
+    "SimulatedClock",
+    "SimulatedClockCallback",
     "OuterState",
     "TOPOLOGIES",
     "Topology",

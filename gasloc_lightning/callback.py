@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from gasloc_lightning.network import NetworkModel, SimulatedClock
 from gasloc_lightning.strategy import LocalStepsStrategy
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ class GASLoCCallback(Callback):
     ``comm/bytes_received`` (this worker, counted at the transport), ``comm/skipped_rounds`` (its own
     non-finite rounds discarded), ``comm/rejected_exchanges`` (non-finite messages from peers) and, every
     ``consensus_every`` rounds, ``comm/consensus_distance`` (mean squared distance of the
-    replicas to their average, measured by all ranks together).
+    replicas to their average, measured by all ranks together), and ``sim_time`` (the simulated
+    clock, with a network model).
 
     Args:
         evaluate: ``"consensus"`` evaluates the average of the replicas (validation and test);
@@ -76,6 +78,8 @@ class GASLoCCallback(Callback):
         }
         if strategy.consensus_distance is not None:
             metrics["comm/consensus_distance"] = strategy.consensus_distance
+        if strategy.sim_time is not None:
+            metrics["sim_time"] = strategy.sim_time
         # Values are already per worker or globally reduced: no sync, nothing on the hot path.
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
@@ -151,3 +155,45 @@ class GASLoCCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"evaluate": self.evaluate, "average_at_end": self.average_at_end}
+
+
+class SimulatedClockCallback(Callback):
+    """``sim_time`` for strategies without rounds (Lightning's ``ddp``): one DDP step per optimizer step.
+
+    DDP synchronises every step, so every rank's clock is the same and needs no communication:
+    each optimizer step costs the slowest worker's modelled step time plus a gradient all-reduce
+    of the modelled model size (see :meth:`SimulatedClock.ddp_step`).
+
+    Args:
+        network: the modelled network, over the ranks of the run.
+    """
+
+    def __init__(self, network: NetworkModel) -> None:
+        if not isinstance(network, NetworkModel):
+            raise ValueError(f"network must be a NetworkModel, got {type(network).__name__}")
+        self.network = network
+        self.clock: SimulatedClock | None = None
+        self._last_step = 0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.network.check_world_size(trainer.world_size)
+        self.clock = SimulatedClock(self.network, rank=trainer.global_rank)
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        for _ in range(trainer.global_step - self._last_step):
+            self.clock.ddp_step()
+        self._last_step = trainer.global_step
+        pl_module.log("sim_time", self.clock.time, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"clock": self.clock.state_dict() if self.clock else None, "last_step": self._last_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.clock is not None and state_dict.get("clock") is not None:
+            self.clock.load_state_dict(state_dict["clock"])
+            self._last_step = state_dict["last_step"]

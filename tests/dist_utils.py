@@ -95,6 +95,7 @@ class RecordParameters(Callback):
             "exchanged_numel": strategy.layout.numel,
             "global_step": trainer.global_step,
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "sim_time": strategy.sim_time,
         }
         self._record = record
 
@@ -102,6 +103,7 @@ class RecordParameters(Callback):
         """After GASLoCCallback's end of fit (final round, averaging)."""
         self._record["after_fit"] = flat_parameters(pl_module)
         self._record["rounds_at_fit_end"] = trainer.strategy.round_index
+        self._record["sim_time_at_fit_end"] = trainer.strategy.sim_time
         torch.save(self._record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 

@@ -74,3 +74,103 @@ def test_ranks_per_worker_behave_as_one_worker(tmp_path, fresh_port):
 def test_ranks_must_divide_into_workers():
     with pytest.raises(ValueError, match="not divisible by ranks_per_worker=2"):
         pl.Trainer(accelerator="cpu", devices=3, strategy=GASLoCStrategy(ranks_per_worker=2), logger=False)
+
+
+from gasloc_lightning.network import NetworkModel, SimulatedClock, round_pairs  # noqa: E402
+from gasloc_lightning.topology import build_topology  # noqa: E402
+
+
+def two_clusters(speeds=None) -> NetworkModel:
+    return NetworkModel.clusters(sizes=[2, 2], intra_gbps=100.0, intra_latency_s=1e-5, inter_gbps=1.0,
+                                 inter_latency_s=0.03, speeds=speeds, model_parameters=10_000_000)
+
+
+def simulate_gossip(network, topology, inner_steps, rounds, overlap=False):
+    """Every worker's clock, simulated locally: the oracle for what the ranks log."""
+    n = network.world_size
+    clocks = [SimulatedClock(network, rank=r) for r in range(n)]
+    posted: list[dict[int, float]] | None = None
+    previous_pairs = None
+    for t in range(rounds):
+        for r, clock in enumerate(clocks):
+            clock.advance_compute(inner_steps[r])
+        pairs = round_pairs(topology, n, t)
+        if overlap and posted is not None:
+            for r, clock in enumerate(clocks):
+                clock.complete_exchange(peer_clocks=posted[r], pairs=previous_pairs)
+        sent = [clock.post_exchange() for clock in clocks]
+        posted = [{j: sent[j] for j in topology.mixing_weights(r, n, t)} for r in range(n)]
+        if not overlap:
+            for r, clock in enumerate(clocks):
+                clock.complete_exchange(peer_clocks=posted[r], pairs=pairs)
+        previous_pairs = pairs
+    if overlap:  # end of training: the last exchange is folded in
+        for r, clock in enumerate(clocks):
+            clock.complete_exchange(peer_clocks=posted[r], pairs=previous_pairs)
+    return [clock.time for clock in clocks]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_simulated_clock_matches_the_local_oracle(tmp_path, fresh_port, overlap):
+    network = two_clusters(speeds=[1.0, 1.0, 1.0, 0.5])
+    strategy = GASLoCStrategy(inner_steps=3, start_method="fork", gossip_timeout=60.0, network=network,
+                              overlap=overlap, outer_momentum=0.5, seed=3)
+    records = run(tmp_path, strategy, devices=4)
+    expected = simulate_gossip(network, build_topology("one_peer", seed=3), [3, 3, 3, 3], 3, overlap)
+    for rank, record in enumerate(records):
+        assert record["sim_time_at_fit_end"] == pytest.approx(expected[rank], rel=1e-12)
+    assert expected[3] > expected[0] or overlap  # the straggler computes for longer
+
+
+def test_overlap_hides_communication_in_simulated_time():
+    network = two_clusters()
+    topology = build_topology("one_peer", seed=3)
+    blocking = simulate_gossip(network, topology, [3] * 4, 6, overlap=False)
+    overlapped = simulate_gossip(network, topology, [3] * 4, 6, overlap=True)
+    assert max(overlapped) < max(blocking)
+
+
+def test_auto_inner_steps_follow_the_speeds(tmp_path, fresh_port):
+    network = two_clusters(speeds=[1.0, 1.0, 0.5, 0.5])
+    strategy = GASLoCStrategy(inner_steps="auto", fastest_inner_steps=4, start_method="fork",
+                              gossip_timeout=60.0, network=network)
+    records = run(tmp_path, strategy, devices=4, max_steps=8)
+    assert [r["rounds_at_fit_end"] for r in records] == [2, 2, 2, 2]
+    # equal simulated compute per round: 4 steps at speed 1 == 2 steps at speed 0.5
+    steps = network.step_time(0) * 4
+    assert all(r["sim_time_at_fit_end"] >= 2 * steps for r in records)
+
+
+def test_diloco_clock_is_the_max_plus_an_all_reduce(tmp_path, fresh_port):
+    from gasloc_lightning import DiLoCoStrategy
+
+    network = NetworkModel.uniform(world_size=2, bandwidth_gbps=10.0, latency_s=0.001, speeds=[1.0, 0.5],
+                                   model_parameters=10_000_000)
+    records = run(tmp_path, DiLoCoStrategy(inner_steps=3, start_method="fork", network=network), devices=2)
+    per_round = 3 * network.step_time(1) + network.all_reduce_time(network.message_bytes())
+    for record in records:
+        assert record["sim_time_at_fit_end"] == pytest.approx(3 * per_round, rel=1e-12)
+
+
+def test_network_of_the_wrong_size_fails_before_training():
+    with pytest.raises(ValueError, match="world"):
+        pl.Trainer(accelerator="cpu", devices=2, logger=False,
+                   strategy=GASLoCStrategy(network=two_clusters()))
+    with pytest.raises(ValueError, match="inner_steps='auto' needs a network"):
+        GASLoCStrategy(inner_steps="auto")
+
+
+def test_ddp_gets_a_simulated_clock_through_the_callback(tmp_path, fresh_port):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from gasloc_lightning import SimulatedClockCallback
+
+    network = NetworkModel.uniform(world_size=2, bandwidth_gbps=10.0, latency_s=0.001, speeds=[1.0, 0.5],
+                                   model_parameters=10_000_000)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="fork"), max_steps=5,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         use_distributed_sampler=False, limit_val_batches=0, default_root_dir=tmp_path,
+                         callbacks=[SimulatedClockCallback(network)])
+    trainer.fit(TinyRegressor())
+    per_step = network.step_time(1) + network.all_reduce_time(network.message_bytes())
+    assert float(trainer.callback_metrics["sim_time"]) == pytest.approx(5 * per_step, rel=1e-6)
