@@ -37,7 +37,7 @@ from gasloc_lightning.network import NetworkModel, SimulatedClock, round_pairs
 from gasloc_lightning.outer import OuterState, mix, validate_outer_hyperparameters
 from gasloc_lightning.stability import SWITCHING_SAFE_MOMENTUM
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
-from gasloc_lightning.transport import FlatLayout, GossipTransport, PendingExchange
+from gasloc_lightning.transport import FlatLayout, GossipTransport, PendingExchange, all_finite
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +463,7 @@ class LocalStepsStrategy(DDPStrategy):
     # ------------------------------------------------------------------ bad points
     def _guard_local_point(self, message: Tensor, round_start: Tensor) -> None:
         """Before sending: a non-finite local point never leaves this worker (see ``on_nonfinite``)."""
-        if bool(torch.isfinite(message).all()):
+        if all_finite(message):
             self._consecutive_skips = 0
             return
         where = f"rank {self.global_rank}, round {self._round_index}"
@@ -493,7 +493,7 @@ class LocalStepsStrategy(DDPStrategy):
         """Drop non-finite messages: the worker keeps its own point for that peer's share this round."""
         accepted = []
         for (weight, message), peer in zip(received, peers):
-            if bool(torch.isfinite(message).all()):
+            if all_finite(message):
                 accepted.append((weight, message))
                 continue
             self._rejected_exchanges += 1

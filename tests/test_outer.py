@@ -179,3 +179,15 @@ def test_invalid_hyperparameters_name_the_argument(kwargs, match):
     args = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_form": "anchored", **kwargs}
     with pytest.raises(ValueError, match=match):
         OuterState(torch.zeros(2), **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_sees_nan_and_both_infinities(dtype):
+    from gasloc_lightning.transport import all_finite
+
+    values = torch.randn(1000).to(dtype)
+    assert all_finite(values) and all_finite(values[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = values.clone()
+        poisoned[517] = bad
+        assert not all_finite(poisoned)
