@@ -10,7 +10,8 @@ from gasloc_lightning.diloco import DiLoCoStrategy
 from gasloc_lightning.network import NetworkModel, SimulatedClock
 from gasloc_lightning.outer import OuterState
 from gasloc_lightning.registry import register_strategies
-from gasloc_lightning.strategy import GASLoCStrategy, LocalStepsStrategy
+from gasloc_lightning.rounds import LocalStepsStrategy
+from gasloc_lightning.strategy import GASLoCStrategy
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
 from gasloc_lightning.transport import GossipTimeoutError
 

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from gasloc_lightning.strategy import LocalStepsStrategy
+from gasloc_lightning.rounds import LocalStepsStrategy
 from gasloc_lightning.transport import ring_all_reduce_bytes
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class AllReduceTraffic(Callback):
         self._active = is_dense_ddp(trainer.strategy)
         if self._active:
             self._bytes_per_step = ring_all_reduce_bytes(gradient_bytes(pl_module), trainer.world_size)
-            log.info("dense all-reduce traffic bytes_per_step=%d world_size=%d", self._bytes_per_step, trainer.world_size)
+            log.info("dense all-reduce traffic bytes_per_step=%d world_size=%d",
+                     self._bytes_per_step, trainer.world_size)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -86,7 +87,8 @@ class CpuThreads(Callback):
     """
 
     def __init__(self, threads: int | Literal["auto"] = "auto") -> None:
-        if not (threads == "auto" or (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1)):
+        is_count = isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1
+        if not (threads == "auto" or is_count):
             raise ValueError(f"threads must be 'auto' or an int >= 1, got {threads!r}")
         self.threads = threads
 

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gasloc_lightning.network import NetworkModel, SimulatedClock
-from gasloc_lightning.strategy import LocalStepsStrategy
+from gasloc_lightning.rounds import LocalStepsStrategy
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from gasloc_lightning.outer import validate_outer_hyperparameters
-from gasloc_lightning.strategy import LocalStepsStrategy, _register_variants
+from gasloc_lightning.rounds import LocalStepsStrategy, _register_variants
 
 
 class DiLoCoStrategy(LocalStepsStrategy):

@@ -7,7 +7,15 @@ import torch
 
 from gasloc_lightning.outer import OuterState, mix
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64_by_default():
+    """The oracles are float64; restored afterwards so other test modules keep float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def random_doubly_stochastic(n: int, generator: torch.Generator) -> torch.Tensor:

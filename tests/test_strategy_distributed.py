@@ -89,7 +89,8 @@ def test_gossip_alone_keeps_the_mean_and_shrinks_the_spread(tmp_path, fresh_port
         pairs = {tuple(sorted((r, peer))) for r in range(4) for peer in strategy.topology.mixing_weights(r, 4, t)}
         drop = sum(((before[a] - before[b]) ** 2).sum() / 2 for a, b in pairs)
         assert pairs
-        assert torch.isclose(spread[i - 1] - spread[i], drop, rtol=1e-5, atol=1e-9 * spread[0])
+        # float32 parameters: rounding of the mixed point is about 1e-7 of the spread
+        assert torch.isclose(spread[i - 1] - spread[i], drop, rtol=1e-5, atol=1e-6 * spread[0])
     assert spread[boundaries[-1]] < 0.2 * spread[0]
 
 
