@@ -64,7 +64,10 @@ def _natural_key(path: Path) -> list[Any]:
 
 
 def find_runs(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Folders holding a ``summary.json``: each path itself, or every one below it (a multirun folder)."""
+    """Folders holding a ``summary.json``: each path itself, or every one below it (a multirun folder).
+
+    A run reached twice (a folder and its parent both given) is listed once.
+    """
     found: list[Path] = []
     for path in map(Path, paths):
         if not path.is_dir():
@@ -142,7 +145,8 @@ def read_curve(run: dict[str, Any]) -> Curve | None:
     tokens_per_step = run["budget"].get("tokens_per_step") or 0
     curve, last = Curve(), {"bytes": None, "sim": None}
     for _, row in rows:
-        last["bytes"] = _float(row.get("comm/bytes_sent")) if row.get("comm/bytes_sent") else last["bytes"]
+        if row.get("comm/bytes_sent"):
+            last["bytes"] = _float(row["comm/bytes_sent"])
         if sim_column and row.get(sim_column):
             last["sim"] = _float(row[sim_column])
         loss = _float(row.get("val/loss"))
@@ -150,7 +154,8 @@ def read_curve(run: dict[str, Any]) -> Curve | None:
             continue
         curve.val_loss.append(loss)
         tokens = _float(row.get("progress/tokens"))
-        curve.tokens.append(tokens if tokens is not None else int(row["step"]) * tokens_per_step)
+        # Lightning writes the row of optimizer step k (1-based) with step = k - 1.
+        curve.tokens.append(tokens if tokens is not None else (int(row["step"]) + 1) * tokens_per_step)
         sent = _float(row.get("progress/bytes_sent"))
         curve.bytes_sent.append(sent if sent is not None else last["bytes"])
         curve.sim_time.append(last["sim"])
@@ -168,11 +173,14 @@ def _si(value: float | None, unit: str = "") -> str:
 
 
 def _number(value: float | None, digits: int) -> str:
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.{digits}f}"
 
 
 def _entropies(runs: Sequence[dict[str, Any]]) -> set[float | None]:
-    return {None if run.get("unigram_entropy_val") is None else round(run["unigram_entropy_val"], 6) for run in runs}
+    values = (run.get("unigram_entropy_val") for run in runs)
+    return {None if value is None else round(value, 6) for value in values}
 
 
 def markdown_table(runs: Sequence[dict[str, Any]], root: Path) -> str:
@@ -187,7 +195,8 @@ def markdown_table(runs: Sequence[dict[str, Any]], root: Path) -> str:
         strategy, budget, final = run["strategy"], run["budget"], run["final"]
         cells = [
             os.path.relpath(run["run_dir"], root), strategy["name"], str(strategy["topology"]),
-            str(strategy["inner_steps"]), str(run["world_size"]), str(budget["rounds"]), f"{budget['tokens']:,}",
+            str(strategy["inner_steps"]), str(run["world_size"]), str(budget["rounds"]),
+            f"{budget['tokens']:,}",
             _number(final["val_loss"], 4), _number(final["val_ppl"], 2), _si(run.get("bytes_sent"), "B"),
             f"{run['wall_time_s']:.1f} s",
         ]
@@ -198,8 +207,8 @@ def markdown_table(runs: Sequence[dict[str, Any]], root: Path) -> str:
     if shared_entropy and entropy is not None:
         lines += ["", f"Byte-unigram entropy of the validation split: {entropy:.4f} nats/byte "
                   "(the loss of the best model that ignores context; a trained model should be below it)."]
-    lines += ["", "Validation loss (nats/byte) and perplexity are those of the consensus (average) model at the "
-              "last validation; bytes are counted per worker over the whole run."]
+    lines += ["", "Validation loss (nats/byte) and perplexity are those of the consensus (average) model "
+              "at the last validation; bytes are counted per worker over the whole run."]
     return "\n".join(lines)
 
 
@@ -224,7 +233,8 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
         return None
     entropies = _entropies(runs)
     if len(entropies) == 1 and None not in entropies:
-        ax.axhline(next(iter(entropies)), color="grey", linestyle="--", linewidth=1, label="byte-unigram entropy (val)")
+        ax.axhline(next(iter(entropies)), color="grey", linestyle="--", linewidth=1,
+                   label="byte-unigram entropy (val)")
     if log_x:
         ax.set_xscale("log")
     ax.set_xlabel(xlabel)
@@ -244,7 +254,8 @@ def plot_curves(runs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
              ("bytes_sent", "bytes sent per worker (log scale)", "val_loss_vs_bytes.png", True)]
     if any(t is not None for curve in curves for t in curve.sim_time):
         specs.append(("sim_time", "simulated time (s)", "val_loss_vs_sim_time.png", False))
-    written = [_plot(runs, curves, axis, xlabel, out_dir / name, log_x) for axis, xlabel, name, log_x in specs]
+    written = [_plot(runs, curves, axis, xlabel, out_dir / name, log_x)
+               for axis, xlabel, name, log_x in specs]
     return [path for path in written if path is not None]
 
 

@@ -55,13 +55,17 @@ class LocalStepsSchema:
     """Arguments shared by every strategy built on ``LocalStepsStrategy`` (gasloc, diloco, local)."""
 
     _target_: str = MISSING
-    inner_steps: int = 50
-    outer_lr: float = 0.7
+    inner_steps: Any = 50  # an int, one int per rank, or "auto" (validated by the strategy)
     gossip_timeout: float = 300.0
     collective_timeout: Optional[float] = None
     consensus_every: int = 10
     bucket_cap_mb: float = 64.0
-    cpu_threads: Any = "auto"  # "auto", null or an int >= 1 (validated by the strategy)
+    cpu_threads: Any = "auto"  # "auto", null or an int >= 1
+    on_nonfinite: str = "skip_round"
+    max_skipped_rounds: int = 3
+    ranks_per_worker: int = 1
+    network: Any = None  # a NetworkModel node, for the simulated clock
+    fastest_inner_steps: int = 50
     start_method: str = "spawn"
     process_group_backend: Optional[str] = None
 
@@ -69,15 +73,19 @@ class LocalStepsSchema:
 @dataclass
 class GASLoCStrategySchema(LocalStepsSchema):
     _target_: str = "gasloc_lightning.GASLoCStrategy"
+    outer_lr: float = 0.7
     outer_momentum: Optional[float] = None
     outer_form: str = "anchored"
     topology: Any = "one_peer"  # a name or a topology node
     seed: int = 0
+    overlap: bool = False
+    message_dtype: str = "float32"
 
 
 @dataclass
 class DiLoCoStrategySchema(LocalStepsSchema):
     _target_: str = "gasloc_lightning.DiLoCoStrategy"
+    outer_lr: float = 0.7
     outer_momentum: float = 0.9
 
 
@@ -177,6 +185,7 @@ class TrainSchema:
 
     strategy: Any = MISSING
     topology: Any = MISSING
+    network: Any = None
     model: Any = MISSING
     data: Any = MISSING
     trainer: Any = MISSING

@@ -47,9 +47,31 @@ def acceptance(result: Comparison) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gasloc-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="sweep folder (default: outputs/demo/<date_time>)")
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                        help=f"comma-separated (default {DEFAULT_STRATEGIES})")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every job")
     return parser
+
+
+def _report(result: Comparison, out_dir: Path, seconds: float) -> bool:
+    """Print the table, where everything is, and the closing summary; returns whether every run passed."""
+    print("\n" + result.table + "\n")
+    print(f"table: {result.table_path}")
+    for path in result.plots:
+        print(f"plot:  {path}")
+    jobs = ", ".join(f"{Path(run['run_dir']).name} ({run['strategy']['name']})" for run in result.runs)
+    print(f"logs:  {out_dir}/<job>/ for jobs {jobs}: train.log, {result.runs[0].get('metrics_csv')}, "
+          "summary.json, .hydra/")
+    first = result.runs[0]
+    budget = first["budget"]
+    print(f"\ngasloc-demo: {len(result.runs)} strategies x {first['world_size']} workers, "
+          f"{budget['tokens']:,} tokens and {budget['steps']} steps each, done in {seconds:.0f} s")
+    checks = acceptance(result)
+    print("\n".join(checks))
+    passed = all(line.startswith("  PASS") for line in checks)
+    verdict = "every strategy learned more than byte frequencies." if passed else "FAILED the check."
+    print(f"gasloc-demo: {verdict}")
+    return passed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,29 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out_dir = (args.out or Path("outputs", "demo", datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))).resolve()
     command = sweep_command(out_dir, args.strategies, args.overrides)
-    print(f"gasloc-demo: training {args.strategies} (experiment=demo) into {out_dir}\n  $ {' '.join(command)}", flush=True)
+    print(f"gasloc-demo: training {args.strategies} (experiment=demo) into {out_dir}", flush=True)
+    print(f"  $ {' '.join(command)}", flush=True)
     start = time.perf_counter()
     returncode = subprocess.run(command).returncode
-    train_seconds = time.perf_counter() - start
     if returncode != 0:
-        print(f"gasloc-demo: the training sweep failed (exit code {returncode}); logs under {out_dir}", file=sys.stderr)
+        print(f"gasloc-demo: the training sweep failed (exit code {returncode}); logs under {out_dir}",
+              file=sys.stderr)
         return returncode
     result = compare([out_dir], out_dir)
-    checks = acceptance(result)
-    passed = all(line.startswith("  PASS") for line in checks)
-    print("\n" + result.table + "\n")
-    print(f"table: {result.table_path}")
-    for path in result.plots:
-        print(f"plot:  {path}")
-    print(f"logs:  {out_dir}/<job>/train.log, metrics: <job>/{result.runs[0].get('metrics_csv')}, "
-          f"summaries: <job>/summary.json")
-    budget = result.runs[0]["budget"]
-    print(f"\ngasloc-demo: {len(result.runs)} strategies x {result.runs[0]['world_size']} workers, "
-          f"{budget['tokens']:,} tokens each, trained in {train_seconds:.0f} s (total "
-          f"{time.perf_counter() - start:.0f} s)")
-    print("\n".join(checks))
-    print("gasloc-demo: " + ("all strategies learned more than byte frequencies." if passed else "FAILED the check."))
-    return 0 if passed else 1
+    return 0 if _report(result, out_dir, time.perf_counter() - start) else 1
 
 
 if __name__ == "__main__":

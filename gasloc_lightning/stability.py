@@ -15,6 +15,19 @@ the n workers, driven by the round's mixing matrix W (symmetric, doubly stochast
       x+     = W z
       theta+ = x+ + gamma (x+ - x)
 
+With ``overlap=True`` the exchange posted in round t completes in round t + 1 (it runs while
+round t + 1 computes), so the peers' points are folded in one round late, scaled by the
+delayed weight beta (``delayed_weight``; 1 is the plain delayed exchange)::
+
+    anchored:  u(t)       = z(t) + gamma (z(t) - x(t))
+               theta(t+1) = u(t) + beta (W(t-1) - I) u(t-1)
+               x(t+1)     = (theta(t+1) + gamma x(t)) / (1 + gamma)
+    post_mix:  x(t+1)     = z(t) + beta (W(t-1) - I) z(t-1)
+               theta(t+1) = x(t+1) + gamma (x(t+1) - x(t))
+
+with nothing in flight in round 0. The delayed term is antisymmetric per pair, so the mean
+still follows DiLoCo's outer step exactly; the state gains the point sent last round.
+
 Mixing never moves the mean over workers, so what matters is the disagreement
 ``sqrt(sum_i ||theta_i - mean(theta)||^2)``. Its asymptotic per-round contraction (the
 consensus rate) must be < 1 for the replicas to agree; the strategy refuses a configuration
@@ -23,7 +36,7 @@ whose rate is >= 1.
 How the rate is computed:
 
 - fixed W: exactly, one 2x2 mode matrix per eigenvalue lambda of W on the disagreement space
-  (``consensus_rate_fixed``);
+  (3x3 on (theta, x, u_prev) with overlap) (``consensus_rate_fixed``);
 - a periodic schedule of commuting W (the hypercube): exactly, the product of the mode
   matrices over one period for each common eigenvector (``consensus_rate_periodic``);
 - random schedules: a seeded float64 simulation (``consensus_rate_simulated``).
@@ -56,6 +69,8 @@ SWITCHING_SAFE_MOMENTUM: float = 0.44
 # Eigenvalues within this distance of 0 or 1 are treated as exactly 0 or 1 (see
 # consensus_rate_modes); float64 eigensolvers are accurate to a few 1e-16 here.
 _EIGENVALUE_TOL = 1e-12
+# With overlap, a mode rate this close to 1 is marginal (see consensus_rate_modes).
+_MARGINAL_TOL = 1e-9
 _DTYPE = torch.float64
 
 
@@ -88,21 +103,47 @@ def check_outer_momentum(outer_momentum: float) -> None:
         raise ValueError(f"outer_momentum (gamma) must lie in [0, 1), got {outer_momentum!r}")
 
 
-def mode_matrix(eigenvalue: float, outer_momentum: float, form: UpdateForm = "anchored") -> Tensor:
-    """The 2x2 map of one round on one eigen-mode of a symmetric W.
+def check_delayed_weight(delayed_weight: float) -> None:
+    """Raise ``ValueError`` unless the delayed weight beta lies in (0, 1]."""
+    if not 0.0 < delayed_weight <= 1.0:
+        raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
 
-    Args:
-        eigenvalue: an eigenvalue lambda of the mixing matrix W.
-        outer_momentum: gamma in [0, 1).
-        form: ``"anchored"`` or ``"post_mix"``.
 
-    Returns:
-        A (2, 2) float64 tensor M with ``(theta+, x+) = M (theta, x)`` for the mode's
-        coefficients.
-    """
+def _check_rate_arguments(outer_momentum: float, form: str, delayed_weight: float) -> None:
     check_form(form)
     check_outer_momentum(outer_momentum)
-    return _mode_matrices(torch.tensor([eigenvalue], dtype=_DTYPE), outer_momentum, form)[0]
+    check_delayed_weight(delayed_weight)
+
+
+def mode_matrix(
+    eigenvalue: float,
+    outer_momentum: float,
+    form: UpdateForm = "anchored",
+    overlap: bool = False,
+    *,
+    delayed_weight: float = 1.0,
+) -> Tensor:
+    """The map of one round on one eigen-mode of a symmetric W.
+
+    Args:
+        eigenvalue: an eigenvalue lambda of the mixing matrix W (with overlap: of W(t-1), the
+            matrix whose exchange completes in this round).
+        outer_momentum: gamma in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+        overlap: the one-round-delayed exchange (see the module docstring).
+        delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
+
+    Returns:
+        Without overlap a (2, 2) float64 tensor M with ``(theta+, x+) = M (theta, x)`` for the
+        mode's coefficients; with overlap a (3, 3) one with
+        ``(theta+, x+, p+) = M (theta, x, p)``, p the point sent last round (u, or z = theta
+        for post_mix).
+    """
+    _check_rate_arguments(outer_momentum, form, delayed_weight)
+    eigenvalues = torch.tensor([eigenvalue], dtype=_DTYPE)
+    if overlap:
+        return _overlap_mode_matrices(eigenvalues, outer_momentum, form, delayed_weight)[0]
+    return _mode_matrices(eigenvalues, outer_momentum, form)[0]
 
 
 def _mode_matrices(eigenvalues: Tensor, gamma: float, form: str) -> Tensor:
@@ -115,6 +156,25 @@ def _mode_matrices(eigenvalues: Tensor, gamma: float, form: str) -> Tensor:
         out[..., 1, 1] = gamma * (1.0 - lam) / (1.0 + gamma)
     else:
         out[..., 0, 1] = -gamma
+    return out
+
+
+def _overlap_mode_matrices(eigenvalues: Tensor, gamma: float, form: str, beta: float) -> Tensor:
+    # Rows: theta+, x+, p+ over columns theta, x, p (p: last round's point, c = beta (lambda - 1)).
+    delayed = beta * (eigenvalues.to(_DTYPE) - 1.0)  # (m,)
+    out = torch.zeros(*delayed.shape, 3, 3, dtype=_DTYPE)  # (m, 3, 3)
+    out[..., 1, 0] = 1.0
+    if form == "anchored":  # theta+ = u + c p, x+ = theta + c p / (1 + gamma), p+ = u
+        out[..., 0, 0] = out[..., 2, 0] = 1.0 + gamma
+        out[..., 0, 1] = out[..., 2, 1] = -gamma
+        out[..., 0, 2] = delayed
+        out[..., 1, 2] = delayed / (1.0 + gamma)
+    else:  # x+ = theta + c p, theta+ = (1 + gamma) x+ - gamma x, p+ = theta
+        out[..., 0, 0] = 1.0 + gamma
+        out[..., 0, 1] = -gamma
+        out[..., 0, 2] = (1.0 + gamma) * delayed
+        out[..., 1, 2] = delayed
+        out[..., 2, 0] = 1.0
     return out
 
 
@@ -206,40 +266,57 @@ def periodic_mode_eigenvalues(matrices: Sequence[Tensor]) -> Tensor:
 
 
 def consensus_rate_modes(
-    mode_eigenvalues: Tensor, outer_momentum: float, form: UpdateForm = "anchored"
+    mode_eigenvalues: Tensor,
+    outer_momentum: float,
+    form: UpdateForm = "anchored",
+    overlap: bool = False,
+    *,
+    delayed_weight: float = 1.0,
 ) -> float:
     """Consensus rate from the eigenvalues each mode sees over one period.
 
     For each mode the rate is rho(M_{T-1} ... M_0)^(1/T), the spectral radius of the product of
-    its mode matrices over the period. Two cases are set exactly rather than left to rounding:
+    its mode matrices over the period. With overlap, round t folds in W(t-1), so its matrix takes
+    the previous column; the product is then a cyclic shift of the same factors, with the same
+    spectral radius. Some cases are set exactly rather than left to rounding:
 
     - a mode with lambda = 1 in every round never contracts (a disconnected graph): rate 1;
-    - in the anchored form, a mode with lambda = 0 in every round has theta+ = 0 each round, so
-      its theta disagreement is gone after one round (only its hidden anchor x decays): rate 0.
-      This is why the complete graph has rate 0 at any gamma.
+    - in the anchored form without overlap, a mode with lambda = 0 in every round has
+      theta+ = 0 each round, so its theta disagreement is gone after one round (only its hidden
+      anchor x decays): rate 0. This is why the complete graph has rate 0 at any gamma. With
+      overlap it does not vanish (a one-round-stale average), and is computed like any other;
+    - with overlap, a rate within 1e-9 of 1 is set to 1: such modes (e.g. lambda = 0 at
+      gamma = 0 and beta = 1, which oscillates with period 6) do not contract.
 
     Args:
         mode_eigenvalues: (modes, T) table, or (modes,) for a fixed W (T = 1).
         outer_momentum: gamma in [0, 1).
         form: ``"anchored"`` or ``"post_mix"``.
+        overlap: the one-round-delayed exchange (3x3 mode matrices on (theta, x, u_prev)).
+        delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
 
     Returns:
         The largest per-round rate over the modes; 0.0 when there is no mode (n = 1).
     """
-    check_form(form)
-    check_outer_momentum(outer_momentum)
+    _check_rate_arguments(outer_momentum, form, delayed_weight)
     table = torch.as_tensor(mode_eigenvalues, dtype=_DTYPE)
     table = table[:, None] if table.ndim == 1 else table  # (m, T)
     if table.shape[0] == 0:
         return 0.0
     with _one_thread():
+        if overlap:
+            return _max_overlap_mode_rate(table, outer_momentum, form, delayed_weight)
         return _max_mode_rate(table, outer_momentum, form)
 
 
-def _max_mode_rate(table: Tensor, gamma: float, form: str) -> float:
+def _snapped(table: Tensor) -> Tensor:
     # Snap rounding noise: a near-0 product raised to 1/T would otherwise read as a real rate.
     table = torch.where(table.abs() <= _EIGENVALUE_TOL, 0.0, table)
-    table = torch.where((table - 1.0).abs() <= _EIGENVALUE_TOL, 1.0, table)
+    return torch.where((table - 1.0).abs() <= _EIGENVALUE_TOL, 1.0, table)
+
+
+def _max_mode_rate(table: Tensor, gamma: float, form: str) -> float:
+    table = _snapped(table)
     product = torch.eye(2, dtype=_DTYPE).expand(table.shape[0], 2, 2)  # (m, 2, 2)
     for column in table.T:
         product = _mode_matrices(column, gamma, form) @ product
@@ -250,23 +327,49 @@ def _max_mode_rate(table: Tensor, gamma: float, form: str) -> float:
     return float(rates.max())
 
 
-def consensus_rate_fixed(matrix: Tensor, outer_momentum: float, form: UpdateForm = "anchored") -> float:
+def _max_overlap_mode_rate(table: Tensor, gamma: float, form: str, beta: float) -> float:
+    table = _snapped(table)
+    product = torch.eye(3, dtype=_DTYPE).expand(table.shape[0], 3, 3)  # (m, 3, 3)
+    for column in table.T:
+        product = _overlap_mode_matrices(column, gamma, form, beta) @ product
+    rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
+    rates[(table == 1.0).all(dim=1) | ((rates - 1.0).abs() <= _MARGINAL_TOL)] = 1.0
+    return float(rates.max())
+
+
+def consensus_rate_fixed(
+    matrix: Tensor,
+    outer_momentum: float,
+    form: UpdateForm = "anchored",
+    overlap: bool = False,
+    *,
+    delayed_weight: float = 1.0,
+) -> float:
     """Exact asymptotic per-round contraction of the disagreement for a fixed symmetric W.
 
     Args:
         matrix: W, (n, n), symmetric and doubly stochastic.
         outer_momentum: gamma in [0, 1).
         form: ``"anchored"`` or ``"post_mix"``.
+        overlap: the one-round-delayed exchange.
+        delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
 
     Returns:
         max over the eigenvalues lambda of W on the disagreement space of rho(M(lambda)).
         1.0 for a disconnected graph.
     """
-    return consensus_rate_modes(disagreement_eigenvalues(matrix), outer_momentum, form)
+    return consensus_rate_modes(
+        disagreement_eigenvalues(matrix), outer_momentum, form, overlap, delayed_weight=delayed_weight
+    )
 
 
 def consensus_rate_periodic(
-    matrices: Sequence[Tensor], outer_momentum: float, form: UpdateForm = "anchored"
+    matrices: Sequence[Tensor],
+    outer_momentum: float,
+    form: UpdateForm = "anchored",
+    overlap: bool = False,
+    *,
+    delayed_weight: float = 1.0,
 ) -> float:
     """Exact consensus rate of a periodic schedule of commuting W (e.g. the hypercube).
 
@@ -274,14 +377,20 @@ def consensus_rate_periodic(
         matrices: one period W_0, ..., W_{T-1}; round t uses W_{t mod T}.
         outer_momentum: gamma in [0, 1).
         form: ``"anchored"`` or ``"post_mix"``.
+        overlap: the one-round-delayed exchange.
+        delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
 
     Returns:
         max over common eigenvectors of rho(M_{T-1} ... M_0)^(1/T).
     """
-    return consensus_rate_modes(periodic_mode_eigenvalues(matrices), outer_momentum, form)
+    return consensus_rate_modes(
+        periodic_mode_eigenvalues(matrices), outer_momentum, form, overlap, delayed_weight=delayed_weight
+    )
 
 
-def _step(theta: Tensor, anchor: Tensor, matrix: Tensor, gamma: float, form: str) -> tuple[Tensor, Tensor]:
+def _step(
+    theta: Tensor, anchor: Tensor, matrix: Tensor, gamma: float | Tensor, form: str
+) -> tuple[Tensor, Tensor]:
     # anchor is x: the anchor (anchored form) or the previous mixed point W z (post_mix).
     if form == "anchored":
         sent = theta + gamma * (theta - anchor)  # u, (n, d)
@@ -289,6 +398,22 @@ def _step(theta: Tensor, anchor: Tensor, matrix: Tensor, gamma: float, form: str
         return mixed, (mixed + gamma * anchor) / (1.0 + gamma)
     mixed = matrix @ theta  # x+, (n, d)
     return mixed + gamma * (mixed - anchor), mixed
+
+
+def _overlap_step(
+    state: tuple[Tensor, ...], matrix: Tensor, gamma: float | Tensor, form: str, beta: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    # in_flight = beta (W(t-1) - I) p(t-1): the exchange posted last round, folded in now.
+    theta, anchor, in_flight = state
+    if form == "anchored":
+        sent = theta + gamma * (theta - anchor)  # u, (n, d)
+        theta_next = sent + in_flight
+        anchor_next = (theta_next + gamma * anchor) / (1.0 + gamma)
+    else:
+        sent = theta  # z
+        anchor_next = theta + in_flight  # x+
+        theta_next = anchor_next + gamma * (anchor_next - anchor)
+    return theta_next, anchor_next, beta * (matrix @ sent - sent)
 
 
 def _log_disagreement(
@@ -325,6 +450,80 @@ def _log_disagreement(
     return logs
 
 
+class _StackedSparse:
+    """Sparse W of several runs, applied run by run (sparse tensors do not batch)."""
+
+    def __init__(self, matrices: list[Tensor]) -> None:
+        self.matrices = matrices
+
+    def __matmul__(self, states: Tensor) -> Tensor:
+        return torch.stack([matrix @ state for matrix, state in zip(self.matrices, states)])
+
+
+def _log_disagreements(
+    sample_matrix: Callable[[int], Tensor],
+    world_size: int,
+    gammas: Tensor,
+    form: str,
+    rounds: int,
+    runs: Sequence[tuple[int, int]],
+    columns: int,
+    overlap: bool,
+    beta: float,
+) -> Tensor:
+    """(runs, G, rounds + 1) log-disagreements of G gammas and several runs at once.
+
+    A run is (seed of its initial point, its first round). States are (runs, n, G d): column
+    block g belongs to gamma g, so one batched product with the runs' W of a round serves every
+    gamma, and each (run, gamma) is renormalized on its own every round. Otherwise as
+    :func:`_log_disagreement`.
+    """
+    count = len(gammas)
+    starts = []
+    for seed, _ in runs:
+        start = torch.randn(world_size, columns, generator=torch.Generator().manual_seed(seed), dtype=_DTYPE)
+        starts.append(start - start.mean(dim=0))
+    theta = torch.stack(starts).repeat(1, 1, count)  # (R, n, G d)
+    gamma = gammas.to(_DTYPE).repeat_interleave(columns)  # (G d,)
+    # zero initial momentum: x(0) = theta(0); with overlap nothing is in flight in round 0
+    state = (theta, theta.clone(), torch.zeros_like(theta)) if overlap else (theta, theta.clone())
+    log_scale = -torch.stack(starts).square().sum(dim=(1, 2)).log()[:, None].expand(-1, count) / 2  # (R, G)
+    logs = torch.full((len(runs), count, rounds + 1), -math.inf, dtype=_DTYPE)
+    logs[..., 0] = 0.0
+    for t in range(rounds):
+        matrices = [sample_matrix(first + t) for _, first in runs]
+        stacked = _StackedSparse(matrices) if matrices[0].is_sparse else torch.stack(matrices)  # (R, n, n)
+        state = _overlap_step(state, stacked, gamma, form, beta) if overlap else _step(*state, stacked, gamma, form)
+        for part in state:  # drop the mean, which evolves on its own (see _log_disagreement)
+            part -= part.mean(dim=1, keepdim=True)
+        blocks = [part.view(len(runs), world_size, count, columns) for part in state]  # (R, n, G, d) views
+        squares = torch.stack([block.square().sum(dim=(1, 3)) for block in blocks])  # (parts, R, G)
+        logs[..., t + 1] = 0.5 * squares[0].log() + log_scale  # log 0 = -inf: exact consensus
+        total = squares.sum(dim=0).sqrt()  # (R, G)
+        if not bool((total > 0.0).any()):
+            break
+        scale = torch.where(total > 0.0, total, 1.0)
+        for block in blocks:
+            block /= scale[:, None, :, None]
+        log_scale = log_scale + scale.log()
+    return logs
+
+
+def _fitted_rates(logs: Tensor, burn_in: int) -> Tensor:
+    """(G,) exp of the least-squares slope of each row over rounds burn_in..end (as _fitted_rate)."""
+    values = logs[:, burn_in:]  # (G, T)
+    rounds = torch.arange(burn_in, logs.shape[1], dtype=_DTYPE)
+    weight = values.isfinite().to(_DTYPE)
+    count = weight.sum(dim=1).clamp(min=1.0)
+    values = torch.where(values.isfinite(), values, 0.0)
+    t_centred = rounds - (weight * rounds).sum(dim=1, keepdim=True) / count[:, None]
+    v_centred = values - (weight * values).sum(dim=1, keepdim=True) / count[:, None]
+    numerator = (weight * t_centred * v_centred).sum(dim=1)
+    denominator = (weight * t_centred.square()).sum(dim=1)
+    rates = torch.where(denominator > 0.0, (numerator / denominator.clamp(min=1e-300)).exp(), 0.0)
+    return torch.where(logs[:, -1] == -math.inf, 0.0, rates)
+
+
 def disagreement_trajectory(
     sample_matrix: Callable[[int], Tensor],
     world_size: int,
@@ -334,6 +533,9 @@ def disagreement_trajectory(
     seed: int = 0,
     columns: int = 4,
     first_round: int = 0,
+    *,
+    overlap: bool = False,
+    delayed_weight: float = 1.0,
 ) -> Tensor:
     """Simulate consensus (no gradients) and return the relative disagreement per round.
 
@@ -346,14 +548,21 @@ def disagreement_trajectory(
         seed: seeds the random initial disagreement (standard normal, mean removed).
         columns: d, the number of independent coordinates per worker.
         first_round: round index of the first round (shifts a random schedule).
+        overlap: the one-round-delayed exchange (nothing in flight in the first round).
+        delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
 
     Returns:
         (rounds + 1,) float64: ||theta_t - mean|| / ||theta_0 - mean||. The run renormalizes
         every round and tracks logs, so only these final ratios can underflow to 0 or overflow.
     """
-    check_form(form)
-    check_outer_momentum(outer_momentum)
+    _check_rate_arguments(outer_momentum, form, delayed_weight)
     with _one_thread():
+        if overlap:
+            gammas = torch.tensor([outer_momentum], dtype=_DTYPE)
+            return _log_disagreements(
+                sample_matrix, world_size, gammas, form, rounds, [(seed, first_round)], columns, True,
+                delayed_weight,
+            )[0, 0].exp()
         logs = _log_disagreement(
             sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, first_round
         )
@@ -380,6 +589,9 @@ def consensus_rate_simulated(
     rounds: int = 300,
     seeds: Sequence[int] = (0, 1, 2, 3),
     columns: int = 4,
+    *,
+    overlap: bool = False,
+    delayed_weight: float = 1.0,
 ) -> float:
     """Estimate the consensus rate of a random schedule by a seeded float64 simulation.
 
@@ -396,14 +608,20 @@ def consensus_rate_simulated(
         rounds: rounds per seed (at least 3).
         seeds: initial-disagreement seeds.
         columns: d, independent coordinates per worker.
+        overlap: the one-round-delayed exchange.
+        delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
 
     Returns:
         The estimated per-round rate; 0.0 when n = 1 or the disagreement vanishes exactly.
     """
-    check_form(form)
-    check_outer_momentum(outer_momentum)
-    if rounds < 3 or not seeds:
-        raise ValueError(f"need rounds >= 3 and at least one seed, got rounds={rounds}, seeds={seeds!r}")
+    if overlap:  # one code path for the delayed exchange: the batched one
+        rates = consensus_rates_simulated(
+            sample_matrix, world_size, [outer_momentum], form, rounds, seeds, columns,
+            overlap=True, delayed_weight=delayed_weight,
+        )
+        return rates[0]
+    _check_rate_arguments(outer_momentum, form, delayed_weight)
+    _check_simulation(rounds, seeds)
     if world_size == 1:
         return 0.0
     rates = []
@@ -414,6 +632,59 @@ def consensus_rate_simulated(
             )
             rates.append(_fitted_rate(logs, burn_in=rounds // 3))
     return max(rates)
+
+
+def _check_simulation(rounds: int, seeds: Sequence[int]) -> None:
+    if rounds < 3 or not seeds:
+        raise ValueError(f"need rounds >= 3 and at least one seed, got rounds={rounds}, seeds={seeds!r}")
+
+
+def consensus_rates_simulated(
+    sample_matrix: Callable[[int], Tensor],
+    world_size: int,
+    outer_momenta: Sequence[float],
+    form: UpdateForm = "anchored",
+    rounds: int = 300,
+    seeds: Sequence[int] = (0, 1, 2, 3),
+    columns: int = 4,
+    *,
+    overlap: bool = False,
+    delayed_weight: float = 1.0,
+) -> list[float]:
+    """:func:`consensus_rate_simulated` for many gammas at once, on the same rounds and seeds.
+
+    Each round's W is built once and applied to the states of every gamma, so a whole grid of
+    gammas costs about as much as one. With overlap this is how every simulated rate is
+    computed; without, it agrees with :func:`consensus_rate_simulated` to rounding (that
+    function keeps its own loop so that its results stay as they were).
+
+    Args:
+        sample_matrix: round index -> W of that round, (n, n) float64, doubly stochastic.
+        world_size: n.
+        outer_momenta: the gammas, each in [0, 1).
+        form: ``"anchored"`` or ``"post_mix"``.
+        rounds: rounds per seed (at least 3).
+        seeds: initial-disagreement seeds.
+        columns: d, independent coordinates per worker (and per gamma).
+        overlap: the one-round-delayed exchange.
+        delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
+
+    Returns:
+        The estimated per-round rate of every gamma, in order.
+    """
+    for outer_momentum in outer_momenta:
+        _check_rate_arguments(outer_momentum, form, delayed_weight)
+    _check_simulation(rounds, seeds)
+    if world_size == 1 or not outer_momenta:
+        return [0.0] * len(outer_momenta)
+    gammas = torch.tensor(list(outer_momenta), dtype=_DTYPE)
+    runs = [(seed, index * rounds) for index, seed in enumerate(seeds)]
+    with _one_thread():
+        logs = _log_disagreements(
+            sample_matrix, world_size, gammas, form, rounds, runs, columns, overlap, delayed_weight
+        )  # (R, G, rounds + 1)
+    rates = _fitted_rates(logs.flatten(0, 1), burn_in=rounds // 3).view(len(runs), len(gammas))
+    return rates.amax(dim=0).tolist()
 
 
 def max_stable_momentum(
@@ -441,3 +712,45 @@ def max_stable_momentum(
         middle = 0.5 * (lo + hi)
         lo, hi = (middle, hi) if rate_fn(middle) < 1.0 else (lo, middle)
     return lo
+
+
+def max_stable_momentum_grid(
+    rates_fn: Callable[[list[float]], Sequence[float]],
+    lo: float = 0.0,
+    hi: float = 0.999,
+    tol: float = 1e-3,
+    points: int = 33,
+) -> float | None:
+    """Like :func:`max_stable_momentum`, for a rate function that evaluates many gammas at once.
+
+    Evaluates ``points`` gammas across [lo, hi], keeps the bracket between the last stable one
+    before the first unstable one and that unstable one, and refines it the same way until it
+    is narrower than ``tol`` (two calls of ``rates_fn`` for the defaults). Like the
+    bisection it assumes that stability is lost once as gamma grows.
+
+    Args:
+        rates_fn: list of gammas -> their consensus rates (e.g. :func:`consensus_rates_simulated`).
+        lo: lower end of the search.
+        hi: upper end of the search.
+        tol: width of the final bracket.
+        points: gammas per call (at least 3).
+
+    Returns:
+        A stable gamma within ``tol`` of the boundary (``hi`` when every gamma of the first grid
+        is stable), or None when ``lo`` is unstable.
+    """
+    if points < 3:
+        raise ValueError(f"points must be >= 3, got {points}")
+    grid = torch.linspace(lo, hi, points, dtype=_DTYPE).tolist()
+    rates = list(rates_fn(grid))
+    while True:
+        unstable = next((index for index, rate in enumerate(rates) if rate >= 1.0), None)
+        if unstable == 0:
+            return None
+        if unstable is None:
+            return grid[-1]
+        lo, hi = grid[unstable - 1], grid[unstable]
+        if hi - lo <= tol:
+            return lo
+        inside = torch.linspace(lo, hi, points, dtype=_DTYPE)[1:-1].tolist()
+        grid, rates = [lo, *inside, hi], [0.0, *rates_fn(inside), math.inf]

@@ -65,7 +65,9 @@ def _local_steps(name: str, topology: str, strategy: Any, form: str) -> dict[str
         momentum = strategy.outer_momentum
     except RuntimeError:  # GASLoC resolves gamma when the world size is known
         momentum = None
-    return {"name": name, "topology": topology, "inner_steps": strategy.inner_steps,
+    # With per-rank H_i a round lasts as long as the largest H_i.
+    length = getattr(strategy, "round_length", strategy.inner_steps)
+    return {"name": name, "topology": topology, "inner_steps": length if isinstance(length, int) else None,
             "outer_lr": strategy.outer_lr, "outer_momentum": momentum, "outer_form": form}
 
 
@@ -100,12 +102,16 @@ class RunSummary(Callback):
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self._last_validation_step = trainer.global_step
-        metrics = {"progress/tokens": float(_tokens(trainer, pl_module)), "progress/wall_time_s": self._elapsed()}
+        metrics = {
+            "progress/tokens": float(_tokens(trainer, pl_module)),
+            "progress/wall_time_s": self._elapsed(),
+        }
         sent = traffic_bytes_sent(trainer)
         if sent is not None:
             metrics["progress/bytes_sent"] = float(sent)
         # Every rank reaches this hook: the mean over workers is one small all-reduce.
-        tensors = {k: torch.tensor(v, dtype=torch.float64, device=pl_module.device) for k, v in metrics.items()}
+        tensors = {k: torch.tensor(v, dtype=torch.float64, device=pl_module.device)
+                   for k, v in metrics.items()}
         pl_module.log_dict(tensors, on_step=False, on_epoch=True, sync_dist=True)
 
     @override
@@ -130,7 +136,9 @@ class RunSummary(Callback):
         both = strategy.reduce(both, reduce_op="mean") if trainer.world_size > 1 else both
         return float(both[0]), float(both[1])
 
-    def _record(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sent: Any, received: Any) -> dict[str, Any]:
+    def _record(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, sent: Any, received: Any
+    ) -> dict[str, Any]:
         strategy = describe_strategy(trainer.strategy)
         steps = trainer.global_step
         tokens = _tokens(trainer, pl_module)
@@ -184,8 +192,11 @@ def _optimizer(trainer: pl.Trainer) -> dict[str, Any] | None:
     if not trainer.optimizers:
         return None
     optimizer = trainer.optimizers[0]
-    defaults = {k: v for k, v in optimizer.defaults.items() if isinstance(v, (int, float, str, bool, tuple, list))}
-    return {"name": type(optimizer).__name__, **{k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}}
+    record: dict[str, Any] = {"name": type(optimizer).__name__}
+    for key, value in optimizer.defaults.items():
+        if isinstance(value, (int, float, str, bool, tuple, list)):
+            record[key] = list(value) if isinstance(value, tuple) else value
+    return record
 
 
 def _data(trainer: pl.Trainer) -> dict[str, Any] | None:
@@ -220,6 +231,8 @@ def load_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
     run_dir = Path(run_dir).resolve()
     record = json.loads((run_dir / SUMMARY_FILE).read_text())
     if record.get("format") != SUMMARY_FORMAT:
-        raise ValueError(f"{run_dir / SUMMARY_FILE} has format {record.get('format')!r}, expected {SUMMARY_FORMAT}")
+        raise ValueError(
+            f"{run_dir / SUMMARY_FILE} has format {record.get('format')!r}, expected {SUMMARY_FORMAT}"
+        )
     record["run_dir"] = str(run_dir)
     return record

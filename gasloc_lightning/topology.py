@@ -54,10 +54,11 @@ margin inside the stability region.
 from __future__ import annotations
 
 import abc
+import itertools
 import math
 import numbers
 import random
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import ClassVar, TypeVar
 
@@ -192,32 +193,48 @@ class Topology(abc.ABC):
         return 1.0 - float(stability.disagreement_eigenvalues(gram).max())
 
     def consensus_rate(
-        self, world_size: int, outer_momentum: float, form: UpdateForm = "anchored"
+        self,
+        world_size: int,
+        outer_momentum: float,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
     ) -> float:
         """Asymptotic per-round contraction of the disagreement with no gradients.
 
         Exact from eigenvalues for fixed and periodic schedules; a seeded float64 simulation
         for random ones (see :mod:`gasloc_lightning.stability`). The outer step is stable for
-        this (topology, n, gamma, form) iff the rate is < 1.
+        this (topology, n, gamma, form, overlap) iff the rate is < 1.
 
         Args:
             world_size: n.
             outer_momentum: gamma in [0, 1).
             form: ``"anchored"`` (default) or ``"post_mix"``.
+            overlap: the exchange of round t is folded in one round late (the strategy's
+                ``overlap=True``); see :mod:`gasloc_lightning.stability`.
+            delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only;
+                1 is the plain delayed exchange).
         """
         stability.check_form(form)
         stability.check_outer_momentum(outer_momentum)
+        stability.check_delayed_weight(delayed_weight)
         self.check_world_size(world_size)
-        key = ("rate", world_size, float(outer_momentum), form)
-        return self._memo(key, lambda: self._consensus_rate(world_size, outer_momentum, form))
+        key = ("rate", world_size, float(outer_momentum), form) + _overlap_key(overlap, delayed_weight)
+        return self._memo(
+            key, lambda: self._consensus_rate(world_size, outer_momentum, form, overlap, delayed_weight)
+        )
 
-    def _consensus_rate(self, world_size: int, gamma: float, form: UpdateForm) -> float:
+    def _consensus_rate(
+        self, world_size: int, gamma: float, form: UpdateForm, overlap: bool = False, beta: float = 1.0
+    ) -> float:
         modes = self._mode_eigenvalues(world_size)
         if modes is not None:
-            return stability.consensus_rate_modes(modes, gamma, form)
+            return stability.consensus_rate_modes(modes, gamma, form, overlap, delayed_weight=beta)
         sparse = world_size > _DENSE_SIMULATION_MAX
         return stability.consensus_rate_simulated(
-            lambda t: self.mixing_matrix(world_size, t, sparse=sparse), world_size, gamma, form
+            lambda t: self.mixing_matrix(world_size, t, sparse=sparse), world_size, gamma, form,
+            overlap=overlap, delayed_weight=beta,
         )
 
     def _mode_eigenvalues(self, world_size: int) -> Tensor | None:
@@ -238,12 +255,47 @@ class Topology(abc.ABC):
 
         return self._memo(("modes", world_size), compute)
 
-    def max_stable_momentum(self, world_size: int, form: UpdateForm = "anchored") -> float | None:
-        """Largest gamma in [0, 0.999] with consensus rate < 1 (within 1e-3), None if none is."""
+    def max_stable_momentum(
+        self,
+        world_size: int,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
+    ) -> float | None:
+        """Largest gamma in [0, 0.999] with consensus rate < 1 (within 1e-3), None if none is.
+
+        Args:
+            world_size: n.
+            form: ``"anchored"`` or ``"post_mix"``.
+            overlap: the one-round-delayed exchange.
+            delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
+        """
         stability.check_form(form)
-        return self._memo(
-            ("max_gamma", world_size, form),
-            lambda: stability.max_stable_momentum(lambda g: self.consensus_rate(world_size, g, form)),
+        key = ("max_gamma", world_size, form) + _overlap_key(overlap, delayed_weight)
+        return self._memo(key, lambda: self._max_stable_momentum(world_size, form, overlap, delayed_weight))
+
+    def _max_stable_momentum(
+        self, world_size: int, form: UpdateForm, overlap: bool, beta: float
+    ) -> float | None:
+        if overlap and self._mode_eigenvalues(world_size) is None:
+            # A simulated schedule: one simulation serves a whole grid of gammas, and the grid's
+            # passes share the rounds' matrices (built once, dropped afterwards).
+            sparse = world_size > _DENSE_SIMULATION_MAX
+            matrices: dict[int, Tensor] = {}
+
+            def sample(t: int) -> Tensor:
+                if t not in matrices:
+                    matrices[t] = self.mixing_matrix(world_size, t, sparse=sparse)
+                return matrices[t]
+
+            return stability.max_stable_momentum_grid(
+                lambda gammas: stability.consensus_rates_simulated(
+                    sample, world_size, gammas, form, overlap=True, delayed_weight=beta
+                )
+            )
+        return stability.max_stable_momentum(
+            lambda gamma: self.consensus_rate(world_size, gamma, form, overlap, delayed_weight=beta)
         )
 
     def is_positive_semidefinite(self, world_size: int) -> bool:
@@ -255,17 +307,38 @@ class Topology(abc.ABC):
             for t in range(rounds)
         )
 
-    def default_outer_momentum(self, world_size: int, form: UpdateForm = "anchored") -> float:
-        """A gamma inside the stability region: 0.9 if stable, else 0.9 x the largest stable gamma."""
-        if self.consensus_rate(world_size, _DEFAULT_MOMENTUM, form) < 1.0:
+    def default_outer_momentum(
+        self,
+        world_size: int,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
+    ) -> float:
+        """A gamma inside the stability region: 0.9 if stable, else 0.9 x the largest stable gamma.
+
+        0.0 when no gamma is stable (then the strategy refuses the configuration).
+
+        Args:
+            world_size: n.
+            form: ``"anchored"`` or ``"post_mix"``.
+            overlap: the one-round-delayed exchange.
+            delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
+        """
+        if self.consensus_rate(world_size, _DEFAULT_MOMENTUM, form, overlap, delayed_weight=delayed_weight) < 1.0:
             return _DEFAULT_MOMENTUM
-        limit = self.max_stable_momentum(world_size, form)
+        limit = self.max_stable_momentum(world_size, form, overlap, delayed_weight=delayed_weight)
         return 0.0 if limit is None else math.floor(_DEFAULT_MOMENTUM * limit * 1000.0) / 1000.0
 
     def _memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
         if key not in self._cache:
             self._cache[key] = compute()
         return self._cache[key]  # type: ignore[return-value]
+
+
+def _overlap_key(overlap: bool, delayed_weight: float) -> tuple[Hashable, ...]:
+    # Cache key suffix; empty without overlap (beta only matters with it).
+    return (True, float(delayed_weight)) if overlap else ()
 
 
 def _add_edge(weights: dict[int, float], peer: int, weight: float) -> None:
@@ -302,6 +375,27 @@ def _ring_neighbours(seed: int, world_size: int, round_index: int) -> tuple[tupl
     return tuple(neighbours)
 
 
+def _matching_matrix(partners: Sequence[int], sparse: bool) -> Tensor:
+    """W = (I + P) / 2 of a matching (P its involution; the odd one out keeps 1 on the diagonal).
+
+    Entry for entry what Topology.mixing_matrix builds from the weights, only faster.
+    """
+    world_size = len(partners)
+    if not sparse:
+        identity = _identity(world_size)
+        return 0.5 * (identity + identity[list(partners)])  # row i of P is e_partner(i)
+    ranks = torch.arange(world_size)
+    indices = torch.stack([torch.cat([ranks, ranks]), torch.cat([ranks, torch.tensor(partners)])])  # (2, 2n)
+    values = torch.full((2 * world_size,), 0.5, dtype=_DTYPE)  # the odd one out's two halves add up
+    shape = (world_size, world_size)
+    return torch.sparse_coo_tensor(indices, values, shape, check_invariants=False).coalesce()
+
+
+@lru_cache(maxsize=4)
+def _identity(world_size: int) -> Tensor:
+    return torch.eye(world_size, dtype=_DTYPE)
+
+
 class OnePeerTopology(Topology):
     """A uniformly random perfect matching each round, w = 1/2 (pairwise averaging).
 
@@ -312,9 +406,17 @@ class OnePeerTopology(Topology):
     name = "one_peer"
     time_varying = True
 
+    def schedule_period(self, world_size: int) -> int | None:
+        # With n <= 2 there is a single matching: the schedule is fixed and its rate exact.
+        return 1 if world_size <= 2 else None
+
     def mixing_weights(self, rank: int, world_size: int, round_index: int) -> dict[int, float]:
         partner = _matching_partners(self.seed, world_size, round_index)[rank]
         return {} if partner == rank else {partner: 0.5}
+
+    def mixing_matrix(self, world_size: int, round_index: int, sparse: bool = False) -> Tensor:
+        self.check_world_size(world_size)
+        return _matching_matrix(_matching_partners(self.seed, world_size, round_index), sparse)
 
     def _spectral_gap(self, world_size: int) -> float:
         # Exact: E[W^T W] = E[W] = a I + b 11^T by symmetry; each pair meets with probability
@@ -441,18 +543,29 @@ class ExponentialTopology(Topology):
 
         return self._memo(("modes", world_size), compute)
 
-    def default_outer_momentum(self, world_size: int, form: UpdateForm = "anchored") -> float:
+    def default_outer_momentum(
+        self,
+        world_size: int,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
+    ) -> float:
         # ALGORITHM.md: cap gamma at 0.7 from n = 32 on, where the limit falls towards 0.707.
-        if world_size > 16 and self.consensus_rate(world_size, _HYPERCUBE_CAP, form) < 1.0:
+        # (Measured without overlap; with it the general rule applies.)
+        if not overlap and world_size > 16 and self.consensus_rate(world_size, _HYPERCUBE_CAP, form) < 1.0:
             return _HYPERCUBE_CAP
-        return super().default_outer_momentum(world_size, form)
+        return super().default_outer_momentum(world_size, form, overlap, delayed_weight=delayed_weight)
 
 
 class CompleteTopology(Topology):
     """Everyone with everyone, w_ij = 1/n: W = 11^T / n, realised as an all-reduce mean.
 
     The outer step is then exactly DiLoCo's outer Nesterov step and the replicas agree after
-    every round: the consensus rate is 0 for any gamma.
+    every round: the consensus rate is 0 for any gamma. With overlap it is DiLoCo with a
+    one-round-stale average, whose rate is computed exactly like any fixed graph's (every
+    disagreement eigenvalue is 0): 1 at gamma = 0 (it oscillates with period 6) and > 1 above
+    for the plain delayed exchange (delayed_weight = 1).
     """
 
     name = "complete"
@@ -468,10 +581,19 @@ class CompleteTopology(Topology):
         return matrix.to_sparse() if sparse else matrix
 
     def consensus_rate(
-        self, world_size: int, outer_momentum: float, form: UpdateForm = "anchored"
+        self,
+        world_size: int,
+        outer_momentum: float,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
     ) -> float:
+        if overlap:
+            return super().consensus_rate(world_size, outer_momentum, form, overlap, delayed_weight=delayed_weight)
         stability.check_form(form)
         stability.check_outer_momentum(outer_momentum)
+        stability.check_delayed_weight(delayed_weight)
         self.check_world_size(world_size)
         return 0.0
 
@@ -494,17 +616,38 @@ class LocalTopology(Topology):
         return 0.0
 
     def consensus_rate(
-        self, world_size: int, outer_momentum: float, form: UpdateForm = "anchored"
+        self,
+        world_size: int,
+        outer_momentum: float,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
     ) -> float:
         stability.check_form(form)
         stability.check_outer_momentum(outer_momentum)
+        stability.check_delayed_weight(delayed_weight)
         self.check_world_size(world_size)
         return 1.0
 
-    def max_stable_momentum(self, world_size: int, form: UpdateForm = "anchored") -> float | None:
+    def max_stable_momentum(
+        self,
+        world_size: int,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
+    ) -> float | None:
         return None
 
-    def default_outer_momentum(self, world_size: int, form: UpdateForm = "anchored") -> float:
+    def default_outer_momentum(
+        self,
+        world_size: int,
+        form: UpdateForm = "anchored",
+        overlap: bool = False,
+        *,
+        delayed_weight: float = 1.0,
+    ) -> float:
         return 0.0
 
 
@@ -618,6 +761,340 @@ class CustomTopology(Topology):
         return dict(self._adjacency.get(rank, {}))
 
 
+# Links within this factor of each other are not told apart when clusters come from bandwidths.
+_SLOW_LINK_RATIO = 2.0
+# Cluster orders enumerated exactly for the expected mixing matrix; beyond, a seeded sample.
+_EXACT_ORDERS_MAX = 5040
+_SAMPLED_ORDERS = 4096
+
+
+def _clusters_from_bandwidth(bandwidth: object) -> list[int]:
+    """Cluster index of every rank: connected components of the fast links (see BandwidthAwareTopology)."""
+    try:
+        matrix = torch.as_tensor(bandwidth, dtype=_DTYPE)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TopologyError(f"bandwidth must be an n x n matrix of numbers: {error}") from None
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] == 0:
+        raise TopologyError(f"bandwidth must be a square n x n matrix, got shape {tuple(matrix.shape)}")
+    off_diagonal = ~torch.eye(len(matrix), dtype=torch.bool)
+    values = matrix[off_diagonal]
+    if not bool((values > 0.0).all()):  # also refuses NaN
+        raise TopologyError("bandwidth must be > 0 for every link i != j (the diagonal is ignored)")
+    if not torch.allclose(matrix[off_diagonal], matrix.T[off_diagonal], rtol=1e-9, atol=0.0):
+        raise TopologyError("bandwidth must be symmetric (links are full duplex); pass e.g. min(B, B^T)")
+    fast = matrix >= _fast_threshold(sorted(set(values.tolist())))
+    labels = _components(fast)
+    for i, j in off_diagonal.nonzero().tolist():
+        if labels[i] == labels[j] and not fast[i, j]:
+            raise TopologyError(
+                f"the fast links do not form clusters: ranks {i} and {j} are joined by fast links but "
+                f"their own link is slow ({float(matrix[i, j]):.6g}); pass clusters= explicitly"
+            )
+    return labels
+
+
+def _fast_threshold(distinct: list[float]) -> float:
+    # Split at the largest ratio between consecutive distinct bandwidths, if it is a real gap.
+    if len(distinct) < 2:
+        return -math.inf
+    ratios = [high / low for low, high in zip(distinct, distinct[1:])]
+    split = max(range(len(ratios)), key=ratios.__getitem__)
+    return distinct[split + 1] if ratios[split] >= _SLOW_LINK_RATIO else -math.inf
+
+
+def _components(adjacency: Tensor) -> list[int]:
+    labels = [-1] * len(adjacency)
+    for start in range(len(adjacency)):
+        if labels[start] >= 0:
+            continue
+        label, frontier = max(labels) + 1, [start]
+        labels[start] = label
+        while frontier:
+            for peer in adjacency[frontier.pop()].nonzero().flatten().tolist():
+                if labels[peer] < 0:
+                    labels[peer] = label
+                    frontier.append(peer)
+    return labels
+
+
+def _group_ranks(clusters: Iterable[Hashable]) -> tuple[tuple[int, ...], ...]:
+    """Ranks of each cluster label, in order of first appearance."""
+    groups: dict[Hashable, list[int]] = {}
+    for rank, label in enumerate(clusters):
+        groups.setdefault(label, []).append(rank)
+    return tuple(tuple(ranks) for ranks in groups.values())
+
+
+def _cross_pairs(sizes: Sequence[int]) -> int:
+    # Antipodal pairing of an even number m of ranks in cluster blocks pairs two ranks of one
+    # cluster only inside a cluster larger than m / 2 (there is at most one), s - m/2 times.
+    half = sum(sizes) // 2
+    return half - sum(max(0, size - half) for size in sizes)
+
+
+@lru_cache(maxsize=16)
+def _bandwidth_aware_partners(
+    members: tuple[tuple[int, ...], ...], cross_probability: float, seed: int, round_index: int
+) -> tuple[tuple[int, ...], bool]:
+    """(partner of every rank, whether the round pairs across clusters); partner[i] == i: sits out."""
+    world_size = sum(map(len, members))
+    # A string seed is hashed with sha512: every process draws the same round on its own.
+    rng = random.Random(f"gasloc:bandwidth_aware:{seed}:{world_size}:{round_index}")
+    cross = rng.random() < cross_probability
+    groups = [list(group) for group in members]
+    for group in groups:
+        rng.shuffle(group)
+    if cross:
+        if world_size % 2:  # one uniformly chosen rank sits out, the others pair up
+            sitter = rng.randrange(world_size)
+            groups = [[rank for rank in group if rank != sitter] for group in groups]
+        rng.shuffle(groups)
+        sequence = [rank for group in groups for rank in group]
+        half = len(sequence) // 2
+        pairs = list(zip(sequence[:half], sequence[half:]))
+    else:  # the last rank of an odd cluster sits out: a slow link would make the round slow
+        pairs = [(group[k], group[k + 1]) for group in groups for k in range(0, len(group) - 1, 2)]
+    partners = list(range(world_size))
+    for a, b in pairs:
+        partners[a], partners[b] = b, a
+    return tuple(partners), cross
+
+
+class BandwidthAwareTopology(Topology):
+    """Random perfect matchings that favour fast links (issue 4, "uneven networks"), w = 1/2.
+
+    The ranks fall into clusters with fast links inside and slow links across (machines of a
+    data centre, data centres). Each round is a random perfect matching with pairwise
+    averaging, drawn from (seed, n, t) alone, identically on every rank:
+
+    - with probability q (a *cross round*): a random matching that pairs across clusters as
+      much as possible. The clusters are laid out in a random order as contiguous blocks (each
+      shuffled) and position p is paired with p + m/2 (m ranks taking part). Only a cluster
+      larger than m/2 pairs inside itself, so when none is, every pair is across. Odd n: one
+      uniformly chosen rank sits out first.
+    - otherwise (a *fast round*): a uniformly random matching inside every cluster. An odd
+      cluster leaves one random member out rather than pairing it across a slow link, which
+      would make the whole (synchronous) round as slow as a cross round.
+
+    A cross round concentrates the slow traffic: a target rate of slow-link use is met with
+    as few slow rounds as possible. q = ``slow_link_rate`` / c, with c the share of workers
+    a cross round pairs across clusters (``expected_slow_link_rate`` gives the exact rate).
+
+    Each W is symmetric and doubly stochastic (a matching, w = 1/2), and so positive
+    semidefinite; E[W] is connected for any q > 0: fast rounds connect each cluster, and for
+    any split of the clusters into two groups some block order pairs across it. Its spectral
+    gap is exact: W^T W = W for a matching, so E[W^T W] = E[W], computed from the exact
+    probability that two ranks meet (the block orders are enumerated, or for more than 8
+    clusters averaged over 4096 seeded orders). The consensus rate is simulated (as for
+    ``one_peer``).
+
+    Clusters from a bandwidth matrix: a link is slow when its bandwidth is below the largest
+    ratio gap between the distinct bandwidths (if that gap is at least 2x; otherwise all links
+    count as fast and the topology is ``one_peer``); clusters are the connected components of
+    the fast links, and a slow link inside a component is an error. With a single cluster
+    there is no slow link and every round is a fast round.
+
+    Args:
+        bandwidth: symmetric n x n link bandwidths, > 0 off the diagonal (any unit, e.g.
+            Gbit/s; the diagonal is ignored). Exactly one of ``bandwidth`` and ``clusters``.
+        clusters: the cluster label of every rank (e.g. ``[0, 0, 0, 0, 1, 1, 1, 1]`` or host
+            names); fast links inside a cluster, slow ones across.
+        slow_link_rate: target probability, in (0, 1], that a worker's peer in a round is
+            across a slow link (averaged over workers), at most c (see above).
+        seed: shared seed of the schedule; every rank must use the same one.
+    """
+
+    name = "bandwidth_aware"
+    time_varying = True
+
+    def __init__(
+        self,
+        *,
+        bandwidth: Sequence[Sequence[float]] | Tensor | None = None,
+        clusters: Sequence[Hashable] | None = None,
+        slow_link_rate: float = 0.2,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(seed=seed)
+        if (bandwidth is None) == (clusters is None):
+            raise TopologyError("BandwidthAwareTopology needs exactly one of bandwidth= and clusters=")
+        if isinstance(slow_link_rate, bool) or not isinstance(slow_link_rate, numbers.Real) or not (
+            0.0 < slow_link_rate <= 1.0
+        ):
+            raise TopologyError(f"slow_link_rate must lie in (0, 1], got {slow_link_rate!r}")
+        if clusters is not None and (isinstance(clusters, str) or len(clusters) == 0):
+            raise TopologyError(f"clusters must be a non-empty sequence of cluster labels, got {clusters!r}")
+        labels = _clusters_from_bandwidth(bandwidth) if clusters is None else list(clusters)
+        self._members = _group_ranks(labels)
+        self._cluster_of = [0] * len(labels)  # cluster index of every rank
+        for index, group in enumerate(self._members):
+            for rank in group:
+                self._cluster_of[rank] = index
+        self._world_size = len(labels)
+        self._slow_link_rate = float(slow_link_rate)
+        most = self._cross_share()
+        if len(self._members) > 1 and slow_link_rate > most + 1e-12:
+            raise TopologyError(
+                f"slow_link_rate {slow_link_rate} is more than clusters of sizes {self.cluster_sizes} "
+                f"allow: a cross round pairs at most {most:.4g} of the workers across clusters"
+            )
+        self._cross_probability = min(1.0, slow_link_rate / most) if len(self._members) > 1 else 0.0
+
+    @classmethod
+    def from_clusters(
+        cls, sizes: Sequence[int], slow_link_rate: float = 0.2, seed: int = 0
+    ) -> BandwidthAwareTopology:
+        """Clusters of the given sizes over consecutive ranks (node-major, as torchrun numbers them).
+
+        Args:
+            sizes: ranks per cluster, e.g. ``[8, 8]`` for two machines of 8 GPUs.
+            slow_link_rate: see the class.
+            seed: see the class.
+        """
+        if isinstance(sizes, (str, numbers.Number)) or not sizes or not all(_is_index(s) and s > 0 for s in sizes):
+            raise TopologyError(f"sizes must be a non-empty list of positive ints, got {sizes!r}")
+        labels = [index for index, size in enumerate(sizes) for _ in range(size)]
+        return cls(clusters=labels, slow_link_rate=slow_link_rate, seed=seed)
+
+    def __repr__(self) -> str:
+        return (
+            f"BandwidthAwareTopology(cluster_sizes={list(self.cluster_sizes)}, "
+            f"slow_link_rate={self._slow_link_rate}, seed={self.seed})"
+        )
+
+    @property
+    def clusters(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of every cluster."""
+        return self._members
+
+    @property
+    def cluster_sizes(self) -> tuple[int, ...]:
+        return tuple(map(len, self._members))
+
+    @property
+    def slow_link_rate(self) -> float:
+        """The target slow-link rate this topology was built with."""
+        return self._slow_link_rate
+
+    @property
+    def cross_round_probability(self) -> float:
+        """q: the probability that a round pairs across clusters (uses slow links)."""
+        return self._cross_probability
+
+    def is_slow_link(self, i: int, j: int) -> bool:
+        """Whether ranks i and j are in different clusters."""
+        return self._cluster_of[i] != self._cluster_of[j]
+
+    def check_world_size(self, world_size: int) -> None:
+        super().check_world_size(world_size)
+        if world_size != self._world_size:
+            raise TopologyError(
+                f"topology 'bandwidth_aware' was built for world_size {self._world_size} (the size of its "
+                f"bandwidth matrix or cluster list), got {world_size}"
+            )
+
+    def mixing_weights(self, rank: int, world_size: int, round_index: int) -> dict[int, float]:
+        self.check_world_size(world_size)
+        partners, _ = _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)
+        partner = partners[rank]
+        return {} if partner == rank else {partner: 0.5}
+
+    def mixing_matrix(self, world_size: int, round_index: int, sparse: bool = False) -> Tensor:
+        self.check_world_size(world_size)
+        partners, _ = _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)
+        return _matching_matrix(partners, sparse)
+
+    def is_cross_round(self, round_index: int) -> bool:
+        """Whether round t is a cross round (pairs across clusters; it may be slow)."""
+        return _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)[1]
+
+    def expected_slow_link_rate(self, world_size: int) -> float:
+        """Exact probability that a worker's peer in a round is across a slow link, averaged over workers.
+
+        q times the share of workers a cross round pairs across (fast rounds use no slow link).
+        """
+        self.check_world_size(world_size)
+        return self._cross_probability * self._cross_share() if len(self._members) > 1 else 0.0
+
+    def _cross_share(self) -> float:
+        # Expected share of the n workers that a cross round pairs across clusters.
+        sizes, n = self.cluster_sizes, self._world_size
+        if n % 2 == 0:
+            return 2.0 * _cross_pairs(sizes) / n
+        return sum(
+            size / n * 2.0 * _cross_pairs([s - (c == sitter) for c, s in enumerate(sizes)]) / n
+            for sitter, size in enumerate(sizes)
+        )
+
+    def _spectral_gap(self, world_size: int) -> float:
+        if world_size == 1:
+            return 1.0
+        meet = self._cross_probability * self._cross_meetings() + (1.0 - self._cross_probability) * self._fast_meetings()
+        expected = torch.eye(world_size, dtype=_DTYPE) - 0.5 * (torch.diag(meet.sum(dim=1)) - meet)  # E[W]
+        return 1.0 - float(stability.disagreement_eigenvalues(expected).max())
+
+    def _fast_meetings(self) -> Tensor:
+        """(n, n) probability that ranks i != j meet in a fast round."""
+        meet = torch.zeros(self._world_size, self._world_size, dtype=_DTYPE)
+        for group in self._members:
+            if len(group) > 1:
+                index = torch.tensor(group)
+                chance = 1.0 / (len(group) - 1 if len(group) % 2 == 0 else len(group))
+                meet[index[:, None], index[None, :]] = chance
+        return meet.fill_diagonal_(0.0)
+
+    def _cross_meetings(self) -> Tensor:
+        """(n, n) probability that ranks i != j meet in a cross round."""
+        sizes, n = self.cluster_sizes, self._world_size
+        if n % 2 == 0:
+            per_cluster = _cluster_meetings(sizes)  # (k, k)
+        else:  # condition on the sitter's cluster c; i, j take part with probability (s_c - 1) / s_c each
+            per_cluster = torch.zeros(len(sizes), len(sizes), dtype=_DTYPE)
+            for c, size in enumerate(sizes):
+                present = torch.ones(len(sizes), dtype=_DTYPE)
+                present[c] = (size - 1) / size
+                both = torch.outer(present, present)
+                both[c, c] = (size - 2) / size if size > 1 else 0.0
+                reduced = [s - (a == c) for a, s in enumerate(sizes)]
+                per_cluster += size / n * both * _cluster_meetings(reduced)
+        labels = torch.tensor(self._cluster_of)
+        return per_cluster[labels[:, None], labels[None, :]].fill_diagonal_(0.0)
+
+
+def _cluster_meetings(sizes: Sequence[int]) -> Tensor:
+    """(k, k) probability that a given rank of cluster a meets a given rank of cluster b (even total).
+
+    Averages the antipodal pairing over the orders of the cluster blocks: exactly over all
+    (k' - 1)! cyclic orders of the k' non-empty clusters (the pairing is rotation invariant),
+    or over a seeded sample of orders when there are too many.
+    """
+    k = len(sizes)
+    present = [c for c in range(k) if sizes[c] > 0]
+    counts = torch.zeros(k, k, dtype=_DTYPE)
+    if len(present) == 0:
+        return counts
+    orders = _block_orders(present)
+    for order in orders:
+        blocks = torch.tensor([c for c in order for _ in range(sizes[c])])  # (m,)
+        half = len(blocks) // 2
+        pair_index = blocks[:half] * k + blocks[half:]
+        counts += torch.bincount(pair_index, minlength=k * k).view(k, k).to(_DTYPE)
+    # Off the diagonal: expected pairs across a and b; on it, twice the expected pairs inside a.
+    counts = (counts + counts.T) / len(orders)
+    sizes_t = torch.tensor(sizes, dtype=_DTYPE)
+    possible = torch.outer(sizes_t, sizes_t) - torch.diag(sizes_t)  # s_a s_b, or s_a (s_a - 1) on it
+    return torch.where(possible > 0, counts / possible.clamp(min=1.0), 0.0)
+
+
+def _block_orders(present: list[int]) -> list[tuple[int, ...]]:
+    # The antipodal pairing is rotation invariant: fixing the first block leaves the cyclic orders.
+    first, rest = present[0], present[1:]
+    if math.factorial(len(rest)) <= _EXACT_ORDERS_MAX:
+        return [(first, *order) for order in itertools.permutations(rest)]
+    rng = random.Random("gasloc:bandwidth_aware:block_orders")
+    return [(first, *rng.sample(rest, len(rest))) for _ in range(_SAMPLED_ORDERS)]
+
+
 TOPOLOGIES: dict[str, type[Topology]] = {
     cls.name: cls
     for cls in (
@@ -629,6 +1106,7 @@ TOPOLOGIES: dict[str, type[Topology]] = {
         CompleteTopology,
         CustomTopology,
         LocalTopology,
+        BandwidthAwareTopology,
     )
 }
 
@@ -637,8 +1115,9 @@ def build_topology(spec: str | Topology, seed: int = 0) -> Topology:
     """A topology from its name (case-insensitive) or a :class:`Topology`, passed through.
 
     Args:
-        spec: one of :data:`TOPOLOGIES` (except ``custom``, which needs its edges: build a
-            :class:`CustomTopology` and pass it) or a Topology instance.
+        spec: one of :data:`TOPOLOGIES` (except ``custom`` and ``bandwidth_aware``, which need
+            their edges or network: build a :class:`CustomTopology` or
+            :class:`BandwidthAwareTopology` and pass it) or a Topology instance.
         seed: shared seed of the random schedules (ignored for an instance).
     """
     if isinstance(spec, Topology):
@@ -650,4 +1129,9 @@ def build_topology(spec: str | Topology, seed: int = 0) -> Topology:
         raise TopologyError(f"unknown topology {spec!r}; valid names: {sorted(TOPOLOGIES)}")
     if TOPOLOGIES[name] is CustomTopology:
         raise TopologyError("topology 'custom' needs its edges: pass CustomTopology(edges=...), not a name")
+    if TOPOLOGIES[name] is BandwidthAwareTopology:
+        raise TopologyError(
+            "topology 'bandwidth_aware' needs its network: pass BandwidthAwareTopology(bandwidth=... or "
+            "clusters=...) or BandwidthAwareTopology.from_clusters(sizes), not a name"
+        )
     return TOPOLOGIES[name](seed=seed)

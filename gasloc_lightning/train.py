@@ -2,7 +2,7 @@
 
 Usage::
 
-    gasloc-train                                        # defaults: gasloc, one_peer, tiny, stdlib, 2 CPU workers
+    gasloc-train                      # gasloc, one_peer, tiny GPT, stdlib corpus, 2 CPU workers
     gasloc-train experiment=demo strategy=diloco
     gasloc-train -m experiment=demo strategy=gasloc,diloco,ddp   # one job per strategy
     python -m gasloc_lightning.train --cfg job          # print the composed config
@@ -73,7 +73,8 @@ class Budget:
     def describe(self) -> str:
         return (
             f"tokens={self.tokens:,} (B={self.batch_size} x T={self.block_size} x workers={self.workers} "
-            f"x steps={self.steps}) rounds={self.rounds} (steps / H, H={self.inner_steps}) workers={self.workers}"
+            f"x steps={self.steps}) rounds={self.rounds} (steps / H, H={self.inner_steps}) "
+            f"workers={self.workers}"
         )
 
 
@@ -82,14 +83,14 @@ def check_budget(trainer_cfg: DictConfig) -> None:
     max_steps = trainer_cfg.max_steps
     if not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(
-            f"trainer.max_steps={max_steps!r}: the budget is counted in optimizer steps per worker and must be "
-            ">= 1 (a budget of zero steps trains nothing)"
+            f"trainer.max_steps={max_steps!r}: the budget is counted in optimizer steps per worker and "
+            "must be >= 1 (a budget of zero steps trains nothing)"
         )
     interval = trainer_cfg.val_check_interval
     if isinstance(interval, int) and (interval < 1 or max_steps % interval):
         raise ValueError(
-            f"trainer.val_check_interval={interval} must divide trainer.max_steps={max_steps}, so that the last "
-            "validation measures the final model"
+            f"trainer.val_check_interval={interval} must divide trainer.max_steps={max_steps}, so that "
+            "the last validation measures the final model"
         )
 
 

@@ -33,8 +33,10 @@ QUICK = [
 _cache: dict[str, Path] = {}
 
 
-def compose_config(overrides: list[str], output_dir: Path | None = None, cache_dir: Path | None = None) -> DictConfig:
-    """The composed ``train`` config with ``overrides`` (output_dir and cache_dir pointed into the test's folders)."""
+def compose_config(
+    overrides: list[str], output_dir: Path | None = None, cache_dir: Path | None = None
+) -> DictConfig:
+    """The composed ``train`` config with ``overrides``, output_dir and cache_dir pointed at test folders."""
     extra = [f"output_dir={output_dir}"] if output_dir is not None else []
     extra += [f"cache_dir={cache_dir}"] if cache_dir is not None else []
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -66,7 +68,8 @@ def finished_sweep(tmp_path_factory) -> Path:
     if "sweep" not in _cache:
         root = tmp_path_factory.mktemp("sweep_cwd")
         sweep_dir = root / "sweep"
-        args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, f"cache_dir={shared_cache_dir(tmp_path_factory)}",
+        cache_dir = shared_cache_dir(tmp_path_factory)
+        args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, f"cache_dir={cache_dir}",
                 f"hydra.sweep.dir={sweep_dir}"]
         result = run_app(args, cwd=root)
         assert result.returncode == 0, f"sweep failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
 from hydra.utils import get_object
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
+from torch.nn.parallel import DistributedDataParallel
 
 from app_utils import CONF, EXPERIMENTS, compose_config
 from gasloc_lightning.train import Budget, check_budget, train
 
-GROUPS = ("strategy", "topology", "model", "data", "trainer", "logger", "callbacks", "sweep")
+GROUPS = ("strategy", "topology", "network", "model", "data", "trainer", "logger", "callbacks", "sweep")
 
 
 def _options(group: str) -> list[str]:
@@ -27,9 +31,52 @@ def _targets(node) -> list[str]:
     return []
 
 
+# Arguments the Trainer or a test supplies, never a config file.
+_NOT_CONFIGURED = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                   "rank", "world_size"}
+
+
+def _parameters(cls) -> tuple[set[str], bool]:
+    """Keyword parameters of cls(...), following **kwargs up the MRO; and whether some **kwargs stays open."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} - {"self"}
+        if klass is DDPStrategy:  # its **kwargs go to torch's DistributedDataParallel
+            return names | _parameters(DistributedDataParallel)[0], False
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return names, False
+    return names, True
+
+
+def _nodes(node):
+    if isinstance(node, DictConfig):
+        if "_target_" in node:
+            yield node
+        for key in node:
+            yield from _nodes(node._get_node(key))
+
+
+@pytest.mark.parametrize("group", ("strategy", "model", "data", "topology", "trainer", "logger", "callbacks"))
+def test_config_keys_are_exactly_the_constructor_arguments(group, tmp_path):
+    """No key the class would reject, and (for this package's classes) no argument the config hides."""
+    for option in _options(group):
+        cfg = compose_config([f"{group}={option}", "data.source=x"], output_dir=tmp_path)
+        for node in _nodes(cfg[group]):
+            keys = {k for k in node if k not in ("_target_", "_partial_", "_convert_")}
+            parameters, open_kwargs = _parameters(get_object(node._target_))
+            if not open_kwargs:
+                assert keys <= parameters, f"{group}/{option}: {node._target_} has no {keys - parameters}"
+            if node._target_.startswith("gasloc_lightning."):
+                assert parameters - _NOT_CONFIGURED <= keys, f"{group}/{option} lacks {parameters - keys}"
+
+
 def test_every_group_has_its_options():
     assert set(_options("strategy")) >= {"gasloc", "diloco", "ddp", "local"}
-    assert set(_options("topology")) >= {"one_peer", "two_peer", "ring", "torus", "exponential", "complete", "local"}
+    topologies = {"one_peer", "two_peer", "ring", "torus", "exponential", "complete", "local"}
+    assert set(_options("topology")) >= topologies
     assert set(_options("model")) >= {"tiny", "small", "gpt2_125m"}
     assert set(_options("data")) >= {"stdlib", "text", "hf"}
     assert set(_options("trainer")) >= {"cpu", "gpu"}
@@ -39,7 +86,7 @@ def test_every_group_has_its_options():
 
 
 @pytest.mark.parametrize(
-    "group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=lambda v: v if isinstance(v, str) else None
+    "group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=str
 )
 def test_every_option_composes_and_targets_real_classes(group, option, tmp_path):
     overrides = [f"{group}={option}"] + (["data.source=/some/corpus.txt"] if option == "text" else [])
@@ -118,7 +165,9 @@ def test_last_validation_must_be_at_the_end(tmp_path):
 def test_missing_data_path_is_a_clear_error(tmp_path):
     missing = tmp_path / "no_such_corpus.txt"
     cfg = compose_config(["data=text", f"data.source={missing}"], output_dir=tmp_path, cache_dir=tmp_path)
-    with pytest.raises(InstantiationException, match="(?s)source path does not exist.*no_such_corpus.txt.*data"):
+    # Hydra names the node (full_key: data) under the data module's own message.
+    expected = "(?s)source path does not exist.*no_such_corpus.txt.*full_key: data"
+    with pytest.raises(InstantiationException, match=expected):
         train(cfg)
 
 

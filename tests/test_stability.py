@@ -182,7 +182,7 @@ def test_oracle_7_ring_of_16():
 
 def ring_post_mix_rounds(gamma: float) -> float:
     """Mean over 3 seeds of the rounds post_mix needs to reach 1e-6 on the ring of 16."""
-    runs = [disagreement_trajectory(fixed(RING_16), 16, gamma, "post_mix", rounds=400, seed=s) for s in range(3)]
+    runs = [disagreement_trajectory(fixed(RING_16), 16, gamma, "post_mix", 400, seed) for seed in range(3)]
     return statistics.mean(rounds_to(run) for run in runs)
 
 
@@ -196,3 +196,167 @@ def test_switching_safe_momentum_holds_on_mixed_non_commuting_schedules():
     mixed = lambda t: graphs[picks[t]].mixing_matrix(n, t)  # noqa: E731
     assert SWITCHING_SAFE_MOMENTUM == 0.44
     assert consensus_rate_simulated(mixed, n, SWITCHING_SAFE_MOMENTUM, rounds=100, seeds=(0, 1, 2, 3)) < 1.0
+
+
+# ------------------------------------------------------------------ overlap (one-round-delayed gossip)
+def overlapped_round(theta, x, previous, W_previous, gamma, form, beta=1.0):
+    """One overlapped round per worker, written as the strategy does it (z = theta: no gradients).
+
+    ``previous`` is the point each worker sent last round (u, or z for post_mix) and W_previous
+    that round's matrix; the exchange posted then completes now, with peers' old points.
+    Returns (theta+, x+, the point sent this round).
+    """
+    n = len(theta)
+
+    def delayed(i):
+        return sum(W_previous[i, j] * (previous[j] - previous[i]) for j in range(n) if j != i)
+
+    if form == "anchored":
+        u = theta + gamma * (theta - x)
+        theta_next = torch.stack([u[i] + beta * delayed(i) for i in range(n)])
+        return theta_next, (theta_next + gamma * x) / (1 + gamma), u
+    x_next = torch.stack([theta[i] + beta * delayed(i) for i in range(n)])
+    return x_next + gamma * (x_next - x), x_next, theta
+
+
+def random_mixing_matrix(n: int, generator: torch.Generator) -> torch.Tensor:
+    """A random symmetric doubly stochastic W: a random convex mix of three random matchings."""
+    weights = torch.rand(3, generator=generator, dtype=torch.float64)
+    W = torch.zeros(n, n, dtype=torch.float64)
+    for weight in weights / weights.sum():
+        order = torch.randperm(n, generator=generator)
+        matching = torch.eye(n, dtype=torch.float64)
+        for a, b in order[: n - n % 2].view(-1, 2).tolist():
+            matching[[a, b, a, b], [a, b, b, a]] = 0.5
+        W += weight * matching
+    return W
+
+
+@pytest.mark.parametrize("form", stability.UPDATE_FORMS)
+@pytest.mark.parametrize(("gamma", "beta"), [(0.0, 1.0), (0.9, 1.0), (0.5, 0.5)])
+def test_overlap_mode_matrix_is_the_stacked_round_on_an_eigenvector(form, gamma, beta):
+    eigenvalues, vectors = torch.linalg.eigh(RING_16)
+    theta, x, previous = torch.randn(3, 16, 2, dtype=torch.float64).unbind()
+    theta_next, x_next, sent = overlapped_round(theta, x, previous, RING_16, gamma, form, beta)
+    for lam, v in zip(eigenvalues, vectors.T):
+        M = mode_matrix(float(lam), gamma, form, overlap=True, delayed_weight=beta)
+        assert M.shape == (3, 3) and M.dtype == torch.float64
+        expected = M @ torch.stack([v @ theta, v @ x, v @ previous])
+        torch.testing.assert_close(torch.stack([v @ theta_next, v @ x_next, v @ sent]), expected)
+
+
+@pytest.mark.parametrize("form", stability.UPDATE_FORMS)
+@pytest.mark.parametrize(("gamma", "beta"), [(0.3, 1.0), (0.9, 1.0), (0.0, 0.5), (0.5, 0.5), (0.9, 0.5)])
+def test_overlap_exact_rate_matches_the_stacked_simulation_on_a_ring_of_16(form, gamma, beta):
+    exact = consensus_rate_fixed(RING_16, gamma, form, overlap=True, delayed_weight=beta)
+    simulated = consensus_rate_simulated(
+        fixed(RING_16), 16, gamma, form, rounds=300, seeds=(0, 1), overlap=True, delayed_weight=beta
+    )
+    assert simulated == pytest.approx(exact, rel=0.01)
+
+
+@pytest.mark.parametrize("form", stability.UPDATE_FORMS)
+def test_overlap_simulation_is_the_per_worker_update_and_keeps_the_mean(form):
+    """Random W every round: the delayed term never moves the mean, and the simulator is that update."""
+    n, gamma, beta, rounds = 8, 0.9, 0.5, 12
+    generator = torch.Generator().manual_seed(3)
+    matrices = [random_mixing_matrix(n, generator) for _ in range(rounds)]
+    start = torch.randn(n, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    start -= start.mean(dim=0)  # what disagreement_trajectory starts from (seed 0, mean removed)
+    theta = start + torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64)  # a mean it must keep
+    x, previous, W_previous = theta.clone(), torch.zeros_like(theta), torch.eye(n, dtype=torch.float64)
+    ratios = [1.0]
+    for W in matrices:
+        u = theta + gamma * (theta - x) if form == "anchored" else theta
+        mean_x = x.mean(dim=0)
+        theta, x, previous = overlapped_round(theta, x, previous, W_previous, gamma, form, beta)
+        W_previous = W
+        # Oracle 2 holds unchanged: the delayed term is antisymmetric per pair.
+        if form == "anchored":
+            torch.testing.assert_close(theta.mean(dim=0), u.mean(dim=0), rtol=0, atol=1e-12)
+        else:
+            torch.testing.assert_close(x.mean(dim=0), u.mean(dim=0), rtol=0, atol=1e-12)
+            torch.testing.assert_close(
+                theta.mean(dim=0), u.mean(dim=0) + gamma * (u.mean(dim=0) - mean_x), rtol=0, atol=1e-12
+            )
+        ratios.append(float((theta - theta.mean(dim=0)).norm() / start.norm()))
+    simulated = disagreement_trajectory(
+        lambda t: matrices[t], n, gamma, form, rounds, overlap=True, delayed_weight=beta
+    )
+    torch.testing.assert_close(simulated, torch.tensor(ratios, dtype=torch.float64), rtol=1e-10, atol=0)
+
+
+def test_overlap_false_is_unchanged():
+    """Golden values computed before overlap existed: the default path must not move by one bit."""
+    assert OnePeerTopology(seed=3).consensus_rate(16, 0.9) == 0.8569240135745664
+    assert build_topology("two_peer", seed=3).consensus_rate(8, 0.44, "post_mix") == 0.5615494838607412
+    assert RingTopology().consensus_rate(16, 0.9) == 0.930454614492335
+    assert ExponentialTopology().consensus_rate(32, 0.9) == 1.0292956604086427
+    trajectory = disagreement_trajectory(schedule("one_peer", 16, seed=3), 16, 0.9, rounds=50)
+    assert float(trajectory[-1]) == 0.0006221462803707022
+    sample = schedule("one_peer", 16, seed=3)
+    short = {"rounds": 30, "seeds": (0,)}
+    assert consensus_rate_simulated(sample, 16, 0.9, **short) == consensus_rate_simulated(
+        sample, 16, 0.9, **short, overlap=False
+    )
+    for form in stability.UPDATE_FORMS:
+        assert consensus_rate_fixed(RING_16, 0.5, form) == consensus_rate_fixed(RING_16, 0.5, form, False)
+
+
+def test_complete_graph_with_overlap_is_a_stale_average():
+    """DiLoCo with a one-round-stale average: period-6 oscillation at gamma = 0, growth above."""
+    W = torch.full((8, 8), 1 / 8, dtype=torch.float64)
+    assert consensus_rate_fixed(W, 0.0, overlap=True) == 1.0
+    assert consensus_rate_fixed(W, 0.5, overlap=True) > 1.0
+    trajectory = disagreement_trajectory(fixed(W), 8, 0.0, rounds=6, overlap=True)
+    torch.testing.assert_close(trajectory, torch.tensor([1, 1, 0, 1, 1, 0, 1.0], dtype=torch.float64))
+    # Halving the delayed correction: the roots of r^2 - r + 1/2 have modulus sqrt(1/2).
+    assert consensus_rate_fixed(W, 0.0, overlap=True, delayed_weight=0.5) == pytest.approx(0.5**0.5)
+    complete = build_topology("complete")
+    assert complete.consensus_rate(8, 0.9, overlap=True) > 1.0
+    assert complete.consensus_rate(8, 0.9, overlap=True, delayed_weight=0.5) < 1.0
+    assert complete.consensus_rate(8, 0.9) == 0.0
+
+
+@pytest.mark.parametrize(("gamma", "beta"), [(0.5, 1.0), (0.7, 0.5)])
+def test_overlap_hypercube_rate_is_exact(gamma, beta):
+    topology = ExponentialTopology()
+    exact = topology.consensus_rate(16, gamma, overlap=True, delayed_weight=beta)
+    simulated = consensus_rate_simulated(
+        schedule("exponential", 16), 16, gamma, rounds=240, seeds=(0, 1), overlap=True, delayed_weight=beta
+    )
+    assert simulated == pytest.approx(exact, rel=0.01)
+
+
+def test_overlap_rates_of_many_gammas_at_once():
+    sample, gammas, short = schedule("two_peer", 8, seed=1), [0.0, 0.5, 0.9], {"rounds": 60, "seeds": (0, 1)}
+    together = stability.consensus_rates_simulated(sample, 8, gammas, **short, overlap=True, delayed_weight=0.5)
+    alone = [consensus_rate_simulated(sample, 8, g, **short, overlap=True, delayed_weight=0.5) for g in gammas]
+    assert together == pytest.approx(alone, rel=1e-9)
+    plain = stability.consensus_rates_simulated(sample, 8, gammas, **short)
+    assert plain == pytest.approx([consensus_rate_simulated(sample, 8, g, **short) for g in gammas], rel=1e-9)
+
+
+def test_max_stable_momentum_grid():
+    calls = []
+
+    def rates(gammas):
+        calls.append(len(gammas))
+        return [g / 0.6 for g in gammas]
+
+    limit = stability.max_stable_momentum_grid(rates)
+    assert limit == pytest.approx(0.6, abs=1e-3) and limit < 0.6
+    assert len(calls) == 2
+    assert stability.max_stable_momentum_grid(lambda gs: [0.5] * len(gs)) == 0.999
+    assert stability.max_stable_momentum_grid(lambda gs: [1.0] * len(gs)) is None
+
+
+def test_overlap_arguments_are_validated():
+    with pytest.raises(ValueError, match="delayed_weight"):
+        mode_matrix(0.5, 0.5, overlap=True, delayed_weight=0.0)
+    with pytest.raises(ValueError, match="delayed_weight"):
+        consensus_rate_fixed(RING_16, 0.5, overlap=True, delayed_weight=1.5)
+    with pytest.raises(ValueError, match="delayed_weight"):
+        RingTopology().consensus_rate(16, 0.5, overlap=True, delayed_weight=-1.0)
+    with pytest.raises(ValueError, match="outer_momentum"):
+        consensus_rate_simulated(fixed(RING_16), 16, 1.0, overlap=True)

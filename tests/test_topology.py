@@ -11,6 +11,7 @@ import torch
 from gasloc_lightning import stability
 from gasloc_lightning.topology import (
     TOPOLOGIES,
+    BandwidthAwareTopology,
     CustomTopology,
     ExponentialTopology,
     OnePeerTopology,
@@ -138,7 +139,7 @@ def test_impossible_world_sizes_are_refused(name, n, match):
 
 
 def test_build_topology():
-    assert set(TOPOLOGIES) == set(NAMED) | {"custom"}
+    assert set(TOPOLOGIES) == set(NAMED) | {"custom", "bandwidth_aware"}
     assert isinstance(build_topology("One_Peer", seed=4), OnePeerTopology)
     assert build_topology("one_peer", seed=4).seed == 4
     instance = TwoPeerTopology(seed=9)
@@ -147,6 +148,8 @@ def test_build_topology():
         build_topology("star")
     with pytest.raises(ValueError, match="CustomTopology"):
         build_topology("custom")
+    with pytest.raises(ValueError, match="BandwidthAwareTopology"):
+        build_topology("bandwidth_aware")
     with pytest.raises(TypeError):
         build_topology(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="seed"):
@@ -341,3 +344,195 @@ def test_world_size_one_has_no_peers():
         topology = build_topology(name)
         assert topology.mixing_weights(0, 1, 0) == {}
         torch.testing.assert_close(topology.mixing_matrix(1, 0), torch.ones(1, 1, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ overlap (one-round-delayed gossip)
+# Every disagreement eigenvalue 0 somewhere (lambda_min = 0 of a fixed W, or a hypercube round):
+# the plain delayed exchange (delayed_weight 1) is marginal there at gamma = 0 and unstable above.
+NO_STABLE_OVERLAP = {"ring", "torus", "exponential", "complete"}
+OVERLAP_CASES = [(name, n) for name in NAMED if name != "local" for n in valid_sizes(name, [2, 4, 8, 16])]
+
+
+@pytest.mark.parametrize(("name", "n"), OVERLAP_CASES)
+def test_default_overlap_momentum_is_stable_where_any_is(name, n):
+    topology = build_topology(name)
+    gamma = topology.default_outer_momentum(n, overlap=True)
+    limit = topology.max_stable_momentum(n, overlap=True)
+    if name in NO_STABLE_OVERLAP or n == 2:
+        # No gamma is stable: the default is 0 and the strategy's check (rate >= 1) refuses it.
+        assert limit is None and gamma == 0.0
+        assert topology.consensus_rate(n, 0.0, overlap=True) == 1.0
+        return
+    assert 0.0 < gamma <= 0.9 * limit + 1e-12
+    assert topology.consensus_rate(n, gamma, overlap=True) < 1.0
+    if (name, n) == ("one_peer", 16):  # the module docstring's table
+        assert limit == pytest.approx(0.456, abs=0.03)
+
+
+@pytest.mark.parametrize(("name", "n"), OVERLAP_CASES)
+@pytest.mark.parametrize("beta", [0.5, 0.25])
+def test_damped_overlap_default_momentum_is_stable_everywhere(name, n, beta):
+    topology = build_topology(name)
+    gamma = topology.default_outer_momentum(n, overlap=True, delayed_weight=beta)
+    assert gamma == 0.9
+    assert topology.consensus_rate(n, gamma, overlap=True, delayed_weight=beta) < 1.0
+
+
+def test_local_topology_with_overlap():
+    assert build_topology("local").consensus_rate(8, 0.5, overlap=True) == 1.0
+    assert build_topology("local").default_outer_momentum(8, overlap=True) == 0.0
+
+
+# ------------------------------------------------------------------ bandwidth-aware matchings
+TWO_NODES = [[900.0 if (i < 4) == (j < 4) else 25.0 for j in range(8)] for i in range(8)]  # NVLink, IB
+
+
+def partners(topology: Topology, n: int, round_index: int) -> list[int | None]:
+    return [next(iter(topology.mixing_weights(rank, n, round_index)), None) for rank in range(n)]
+
+
+@pytest.mark.parametrize("sizes", [[4, 4], [3, 3, 2], [5, 2], [3, 3, 3], [1, 1, 6], [2, 2, 2, 2], [7]])
+def test_bandwidth_aware_matchings_are_symmetric_doubly_stochastic_matchings(sizes):
+    n = sum(sizes)
+    topology = BandwidthAwareTopology.from_clusters(sizes, slow_link_rate=0.2, seed=1)
+    for t in range(40):
+        W = topology.mixing_matrix(n, t)
+        torch.testing.assert_close(W, W.T, rtol=0, atol=0)
+        torch.testing.assert_close(W.sum(dim=1), torch.ones(n, dtype=torch.float64), rtol=0, atol=0)
+        assert set(W.flatten().tolist()) <= {0.0, 0.5, 1.0}
+        peers = partners(topology, n, t)
+        assert all(p is None or peers[p] == i for i, p in enumerate(peers))
+        sitting_out = peers.count(None)
+        if topology.is_cross_round(t):
+            assert sitting_out == n % 2
+        else:  # fast rounds use no slow link; each odd cluster leaves one member out
+            assert not any(p is not None and topology.is_slow_link(i, p) for i, p in enumerate(peers))
+            assert sitting_out == sum(size % 2 for size in sizes)
+    assert topology.is_positive_semidefinite(n)
+
+
+def test_bandwidth_aware_peers_agree_across_ranks_without_coordination():
+    """Every rank builds its own object from the same arguments and finds the same matching.
+
+    (Across processes too: the draw is seeded by a string, hashed with sha512 whatever
+    PYTHONHASHSEED is; the pinned schedule below holds in every process that runs it.)
+    """
+    n, rounds = 8, 50
+    mine = [partners(BandwidthAwareTopology(bandwidth=TWO_NODES, seed=7), n, t) for t in range(rounds)]
+    per_rank = [BandwidthAwareTopology(clusters=["a"] * 4 + ["b"] * 4, seed=7) for _ in range(n)]
+    for t in range(rounds):
+        assert [next(iter(per_rank[r].mixing_weights(r, n, t)), None) for r in range(n)] == mine[t]
+    assert len({str(m) for m in mine}) > 5, "the matching should change from round to round"
+    assert mine != [partners(BandwidthAwareTopology(bandwidth=TWO_NODES, seed=8), n, t) for t in range(rounds)]
+
+
+def test_bandwidth_aware_schedule_is_pinned():
+    """A golden fixture: changing how rounds are drawn breaks resumed and mixed-version runs."""
+    topology = BandwidthAwareTopology.from_clusters([4, 4], slow_link_rate=0.2, seed=0)
+    assert [topology.is_cross_round(t) for t in range(6)] == [True, False, False, True, False, False]
+    assert partners(topology, 8, 0) == [4, 6, 7, 5, 0, 3, 1, 2]
+    assert partners(topology, 8, 1) == [2, 3, 0, 1, 5, 4, 7, 6]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "rate"), [([4, 4], 0.2), ([3, 3, 2], 0.1), ([5, 2], 0.25), ([3, 3, 3], 0.2), ([4, 4], 1.0)]
+)
+def test_bandwidth_aware_uses_slow_links_at_the_expected_rate(sizes, rate):
+    n, rounds = sum(sizes), 2000
+    topology = BandwidthAwareTopology.from_clusters(sizes, slow_link_rate=rate, seed=11)
+    expected = topology.expected_slow_link_rate(n)
+    assert expected == pytest.approx(rate)
+    per_round = torch.tensor(
+        [sum(p is not None and topology.is_slow_link(i, p) for i, p in enumerate(partners(topology, n, t))) / n
+         for t in range(rounds)],
+        dtype=torch.float64,
+    )
+    sigma = max(float(per_round.std()), 1e-12) / rounds**0.5
+    assert abs(float(per_round.mean()) - expected) <= 3 * sigma + 1e-12
+
+
+@pytest.mark.parametrize("sizes", [[4, 4], [3, 3, 2], [5, 2], [1, 1, 1, 1, 1, 1]])
+def test_bandwidth_aware_is_connected_in_expectation_with_its_exact_gap(sizes):
+    n = sum(sizes)
+    topology = BandwidthAwareTopology.from_clusters(sizes, slow_link_rate=0.2, seed=2)
+    gap = topology.spectral_gap(n)
+    assert 0.0 < gap < 1.0
+    # W^T W = W for a matching: the gap is 1 - lambda_2(E[W]); compare with E[W] over 2000 rounds.
+    mean_W = sum(topology.mixing_matrix(n, t) for t in range(2000)) / 2000
+    sampled = 1.0 - float(stability.disagreement_eigenvalues(mean_W).max())
+    assert sampled == pytest.approx(gap, abs=0.02)
+    if min(sizes) > 1:  # singletons: see test_bandwidth_aware_singletons_lower_the_default
+        assert topology.default_outer_momentum(n) == 0.9 and topology.consensus_rate(n, 0.9) < 1.0
+
+
+@pytest.mark.slow
+def test_bandwidth_aware_singletons_lower_the_default():
+    """Singletons idle through every fast round while momentum keeps pushing them apart:
+    gamma = 0.9 is unstable there, and the default falls back inside the region."""
+    topology = BandwidthAwareTopology.from_clusters([1] * 6, slow_link_rate=0.2, seed=2)
+    assert topology.consensus_rate(6, 0.9) > 1.0
+    gamma = topology.default_outer_momentum(6)
+    assert gamma == pytest.approx(0.66, abs=0.03) and topology.consensus_rate(6, gamma) < 1.0
+
+
+def test_bandwidth_aware_two_clusters_exact_values():
+    """Two equal clusters: cross rounds pair everyone across, so q = slow_link_rate and the gap is q."""
+    topology = BandwidthAwareTopology.from_clusters([4, 4], slow_link_rate=0.2)
+    assert topology.cross_round_probability == pytest.approx(0.2)
+    assert topology.spectral_gap(8) == pytest.approx(0.2)  # the cluster-mean mode contracts by 1 - q
+    assert topology.clusters == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert repr(topology) == "BandwidthAwareTopology(cluster_sizes=[4, 4], slow_link_rate=0.2, seed=0)"
+
+
+def test_bandwidth_matrix_clusters():
+    assert BandwidthAwareTopology(bandwidth=TWO_NODES).clusters == ((0, 1, 2, 3), (4, 5, 6, 7))
+    # Links within 2x of each other are one tier: a uniform network has no slow link.
+    uniform = BandwidthAwareTopology(bandwidth=[[0, 100, 90], [100, 0, 110], [90, 110, 0]])
+    assert uniform.clusters == ((0, 1, 2),) and uniform.expected_slow_link_rate(3) == 0.0
+    assert uniform.spectral_gap(3) == pytest.approx(OnePeerTopology().spectral_gap(3))
+    labelled = BandwidthAwareTopology(clusters=["host-b", "host-a", "host-b", "host-a"])
+    assert labelled.clusters == ((0, 2), (1, 3)) and labelled.is_slow_link(0, 1)
+    assert "bandwidth_aware" in TOPOLOGIES and TOPOLOGIES["bandwidth_aware"] is BandwidthAwareTopology
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bandwidth": [[0, 10], [20, 0]]}, "symmetric"),
+        ({"bandwidth": [[0, 0], [0, 0]]}, "> 0"),
+        ({"bandwidth": [[0, -1], [-1, 0]]}, "> 0"),
+        ({"bandwidth": [[0, float("nan")], [float("nan"), 0]]}, "> 0"),
+        ({"bandwidth": [[0, 1, 1], [1, 0, 1]]}, "square"),
+        ({"bandwidth": [[0, 9, 9], [9, 0, 1], [9, 1, 0]]}, "do not form clusters"),
+        ({}, "exactly one"),
+        ({"bandwidth": TWO_NODES, "clusters": [0] * 8}, "exactly one"),
+        ({"clusters": []}, "clusters"),
+        ({"clusters": [0, 0, 1, 1], "slow_link_rate": 0.0}, "slow_link_rate"),
+        ({"clusters": [0, 0, 1, 1], "slow_link_rate": -0.1}, "slow_link_rate"),
+        ({"clusters": [0, 0, 1, 1], "slow_link_rate": 1.5}, "slow_link_rate"),
+        ({"clusters": [0, 0, 1, 1], "slow_link_rate": float("nan")}, "slow_link_rate"),
+        ({"clusters": [0, 0, 0, 0, 0, 0, 1, 1], "slow_link_rate": 0.9}, "at most 0.5"),
+        ({"clusters": [0, 1], "seed": "0"}, "seed"),
+    ],
+)
+def test_bandwidth_aware_validation(kwargs, match):
+    with pytest.raises(TopologyError, match=match):
+        BandwidthAwareTopology(**kwargs)
+
+
+def test_bandwidth_aware_world_size_and_sizes_are_checked():
+    topology = BandwidthAwareTopology.from_clusters([4, 4])
+    for wrong in (4, 9):
+        with pytest.raises(TopologyError, match="built for world_size 8"):
+            topology.check_world_size(wrong)
+        with pytest.raises(TopologyError, match="built for world_size 8"):
+            topology.mixing_weights(0, wrong, 0)
+        with pytest.raises(TopologyError, match="built for world_size 8"):
+            topology.consensus_rate(wrong, 0.5)
+        with pytest.raises(TopologyError, match="built for world_size 8"):
+            topology.expected_slow_link_rate(wrong)
+    for sizes in ([], [4, 0], [2.5], "44"):
+        with pytest.raises(TopologyError, match="sizes"):
+            BandwidthAwareTopology.from_clusters(sizes)  # type: ignore[arg-type]
+    single = BandwidthAwareTopology.from_clusters([1])
+    assert single.mixing_weights(0, 1, 0) == {} and single.spectral_gap(1) == 1.0

@@ -41,7 +41,8 @@ def test_console_script_trains_and_prints_the_budget(tmp_path, tmp_path_factory)
     script = shutil.which("gasloc-train", path=str(Path(__import__("sys").executable).parent))
     assert script, "gasloc-train is not installed: pip install -e ."
     run_dir = tmp_path / "run"
-    args = ["strategy=local", *QUICK, f"cache_dir={shared_cache_dir(tmp_path_factory)}", f"hydra.run.dir={run_dir}"]
+    cache_dir = shared_cache_dir(tmp_path_factory)
+    args = ["strategy=local", *QUICK, f"cache_dir={cache_dir}", f"hydra.run.dir={run_dir}"]
     result = run_app(args, cwd=tmp_path, executable=[script])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     log = result.stdout + result.stderr
@@ -49,6 +50,15 @@ def test_console_script_trains_and_prints_the_budget(tmp_path, tmp_path_factory)
     summary = _summary(run_dir)
     assert summary["strategy"]["name"] == "local" and summary["bytes_sent"] == 0
     assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_popen_launcher_is_refused_under_multirun(tmp_path):
+    result = run_app(["-m", "strategy.start_method=popen", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                     cwd=tmp_path)
+    assert result.returncode != 0
+    assert "start_method=popen cannot run under gasloc-train -m" in result.stderr
+    assert not list((tmp_path / "sweep").glob("*/summary.json"))
 
 
 @pytest.mark.timeout(600)

@@ -1,0 +1,194 @@
+"""Uneven networks and workers: simulated time for each method to reach DiLoCo's final validation loss.
+
+For every scenario of ``conf/network/`` (uniform fast, two clusters, a straggler, a cloud mix)
+this trains, with 8 CPU workers and a tiny byte-level GPT on the embedded stdlib corpus:
+
+    ddp, diloco, gasloc (one_peer), gasloc + overlap, and on clustered networks gasloc with
+    bandwidth-aware peers (with and without overlap)
+
+DiLoCo runs for ``--rounds`` rounds of H steps; every other method gets 1.5x DiLoCo's tokens.
+Validation runs every round (every H steps for DDP). The simulated clock models the scenario's
+network with a 1B-parameter fp32 model (the training itself uses the tiny proxy). For each
+method it prints the simulated time at which the validation loss first reaches DiLoCo's final
+loss (linear interpolation between validations; "not reached" when it never does) and the ratio
+to DiLoCo's own time. Ratios, not wall-clock: the wall time of this machine is noise.
+
+    python benchmarks/heterogeneous.py                  # all scenarios, H = 50
+    python benchmarks/heterogeneous.py --scenarios two_clusters --rounds 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import OmegaConf
+
+from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy, SimulatedClockCallback
+from gasloc_lightning.data import ByteDataModule
+from gasloc_lightning.models.lm import LanguageModel
+from gasloc_lightning.network import NetworkModel
+from gasloc_lightning.topology import build_topology
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "network"
+SCENARIOS = ("uniform_fast", "two_clusters", "straggler", "cloud_mix")
+WORKERS = 8
+
+
+class ValidationTrace(Callback):
+    """Rank 0 writes (step, sim_time, val/loss) at every validation."""
+
+    def __init__(self, path: str, clock_callback: SimulatedClockCallback | None = None):
+        self.path, self.clock_callback, self.points = path, clock_callback, []
+
+    def _sim_time(self, trainer) -> float:
+        if self.clock_callback is not None:
+            return self.clock_callback.clock.time
+        return trainer.strategy.sim_time
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
+            return
+        loss = float(trainer.callback_metrics["val/loss"])
+        self.points.append((trainer.global_step, self._sim_time(trainer), loss))
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            Path(self.path).write_text(json.dumps(self.points))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def load_network(name: str) -> NetworkModel:
+    return instantiate(OmegaConf.load(CONF / f"{name}.yaml"))
+
+
+def methods(network: NetworkModel, inner_steps: int) -> dict[str, dict]:
+    """name -> strategy factory arguments; bandwidth-aware peers only where there are clusters."""
+    uneven = len(set(network.speeds)) > 1
+    steps = {"inner_steps": "auto", "fastest_inner_steps": inner_steps} if uneven else {"inner_steps": inner_steps}
+    table = {
+        "ddp": {"kind": "ddp"},
+        "diloco": {"kind": "diloco", **steps},
+        "gasloc": {"kind": "gasloc", "topology": "one_peer", **steps},
+        "gasloc+overlap": {"kind": "gasloc", "topology": "one_peer", "overlap": True, **steps},
+    }
+    if network.num_clusters > 1:
+        table["gasloc/bw-aware"] = {"kind": "gasloc", "topology": "bandwidth_aware", **steps}
+        table["gasloc/bw-aware+overlap"] = {"kind": "gasloc", "topology": "bandwidth_aware", "overlap": True,
+                                            **steps}
+    return table
+
+
+def make_strategy(spec: dict, network: NetworkModel):
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    common = {"start_method": "fork", "network": network, "gossip_timeout": 600.0, "consensus_every": 0}
+    if kind == "diloco":
+        return DiLoCoStrategy(**common, **spec)
+    if spec.get("topology") == "bandwidth_aware":
+        clusters = [network.cluster_of(rank) for rank in range(network.world_size)]
+        spec["topology"] = build_topology("bandwidth_aware", clusters=clusters)
+    return GASLoCStrategy(**common, **spec)
+
+
+def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workdir: Path, name: str) -> list:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    trace_path = workdir / f"{name}.json"
+    clock = SimulatedClockCallback(network) if spec["kind"] == "ddp" else None
+    strategy = DDPStrategy(start_method="fork") if spec["kind"] == "ddp" else make_strategy(spec, network)
+    callbacks = [ValidationTrace(str(trace_path), clock)] + ([clock] if clock else [])
+    pl.seed_everything(0)
+    model = LanguageModel(model="tiny", warmup_steps=20, max_steps=steps,
+                          optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95)))
+    data = ByteDataModule(source="stdlib", block_size=64, batch_size=16, val_batches=4,
+                          cache_dir=workdir.parent / "cache")
+    trainer = pl.Trainer(accelerator="cpu", devices=WORKERS, strategy=strategy, max_steps=steps,
+                         val_check_interval=inner_steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks,
+                         default_root_dir=workdir)
+    if spec["kind"] == "ddp":
+        torch.set_num_threads(1)
+    trainer.fit(model, data)
+    return json.loads(trace_path.read_text())
+
+
+def time_to_reach(points: list, target: float) -> float | None:
+    """Simulated time of the first validation at or below ``target``, interpolated linearly."""
+    previous = None
+    for _, sim_time, loss in points:
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return sim_time
+            (t0, l0), (t1, l1) = previous, (sim_time, loss)
+            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+        previous = (sim_time, loss)
+    return None
+
+
+def run_scenario(name: str, rounds: int, inner_steps: int, workdir: Path) -> list[dict]:
+    network = load_network(name)
+    table = methods(network, inner_steps)
+    diloco_steps = rounds * inner_steps
+    traces = {"diloco": train(table["diloco"], network, diloco_steps, inner_steps, workdir, f"{name}-diloco")}
+    target = traces["diloco"][-1][2]
+    longer = math.ceil(1.5 * diloco_steps / inner_steps) * inner_steps
+    for method, spec in table.items():
+        if method != "diloco":
+            traces[method] = train(spec, network, longer, inner_steps, workdir, f"{name}-{method}")
+    reference = time_to_reach(traces["diloco"], target)
+    rows = []
+    for method, points in traces.items():
+        reached = time_to_reach(points, target)
+        rows.append({"scenario": name, "method": method, "final_loss": points[-1][2],
+                     "time_to_target": reached, "ratio": None if reached is None else reached / reference})
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"\n{'scenario':<14}{'method':<26}{'final val loss':>15}{'sim s to target':>17}{'vs diloco':>11}")
+    for row in rows:
+        reached = "not reached" if row["time_to_target"] is None else f"{row['time_to_target']:.0f}"
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        print(f"{row['scenario']:<14}{row['method']:<26}{row['final_loss']:>15.4f}{reached:>17}{ratio:>11}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--rounds", type=int, default=12, help="DiLoCo's rounds; the others get 1.5x its tokens")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H (of the fastest worker)")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    start = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="gasloc-hetero-")) / "runs"
+    workdir.mkdir(parents=True)
+    rows = []
+    for scenario in args.scenarios:
+        rows += run_scenario(scenario, args.rounds, args.inner_steps, workdir)
+        print_rows([r for r in rows if r["scenario"] == scenario])
+    print(f"\nAll scenarios ({WORKERS} workers, H = {args.inner_steps}, DiLoCo {args.rounds} rounds, others 1.5x "
+          f"tokens; wall {time.monotonic() - start:.0f} s):")
+    print_rows(rows)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
