@@ -55,7 +55,6 @@ class GASLoCCallback(Callback):
         self.average_at_end = average_at_end
         self._local_loss_sum: torch.Tensor | None = None
         self._local_loss_batches = 0
-        self._logged_round = -1
 
     @staticmethod
     def _strategy(trainer: pl.Trainer) -> LocalStepsStrategy | None:
@@ -66,9 +65,9 @@ class GASLoCCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         strategy = self._strategy(trainer)
-        if strategy is None or strategy.round_index == self._logged_round:
+        if strategy is None:
             return
-        self._logged_round = strategy.round_index
+        # Logged every step (Python floats, no sync): Lightning keeps one row every log_every_n_steps.
         metrics = {
             "comm/round": float(strategy.round_index),
             "comm/bytes_sent": float(strategy.bytes_sent),
@@ -165,24 +164,29 @@ class SimulatedClockCallback(Callback):
     of the modelled model size (see :meth:`SimulatedClock.ddp_step`).
 
     Args:
-        network: the modelled network, over the ranks of the run.
+        network: the modelled network, over the ranks of the run; ``None`` disables the callback (so
+            configs can always include it and pass the run's optional network).
     """
 
-    def __init__(self, network: NetworkModel) -> None:
-        if not isinstance(network, NetworkModel):
-            raise ValueError(f"network must be a NetworkModel, got {type(network).__name__}")
+    def __init__(self, network: NetworkModel | None) -> None:
+        if network is not None and not isinstance(network, NetworkModel):
+            raise ValueError(f"network must be a NetworkModel or None, got {type(network).__name__}")
         self.network = network
         self.clock: SimulatedClock | None = None
         self._last_step = 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.network is None or isinstance(trainer.strategy, LocalStepsStrategy):
+            return  # no network, or a strategy that keeps its own clock
         self.network.check_world_size(trainer.world_size)
         self.clock = SimulatedClock(self.network, rank=trainer.global_rank)
         self._last_step = trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self.clock is None:
+            return
         for _ in range(trainer.global_step - self._last_step):
             self.clock.ddp_step()
         self._last_step = trainer.global_step

@@ -340,10 +340,21 @@ def byte_unigram_entropy(data: bytes | Tensor) -> float:
 
 
 class _Windows(Dataset):
-    """Index = start offset into the byte stream; item = (x, y), y shifted by one byte."""
+    """Index = start offset into the byte stream; item = (x, y), y shifted by one byte.
 
-    def __init__(self, tokens: Tensor, block_size: int) -> None:
-        self.tokens, self.block_size = tokens, block_size
+    Pickles as the cache file's path (a memory map cannot cross into a spawned DataLoader
+    worker); each process maps the file again.
+    """
+
+    def __init__(self, path: Path, block_size: int) -> None:
+        self.path, self.block_size = Path(path), block_size
+        self.tokens = _memory_map(self.path)
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "block_size": self.block_size}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["block_size"])
 
     def __len__(self) -> int:
         return self.tokens.numel() - self.block_size
@@ -587,6 +598,10 @@ class ByteDataModule(pl.LightningDataModule):
                 "DistributedSampler: pass Trainer(use_distributed_sampler=False)"
             )
 
+    def _split_path(self, split: str) -> Path:
+        self._split_tokens(split)  # builds the cache if needed
+        return self.cache_path / f"{split}.u8"
+
     def _split_tokens(self, split: str) -> Tensor:
         if split not in self._tokens:
             self.prepare_data()  # every rank checks: cheap when built, safe when racing
@@ -602,7 +617,7 @@ class ByteDataModule(pl.LightningDataModule):
         )
         if previous is not None:
             self._train_sampler.load_state_dict(previous)
-        dataset = _Windows(self._split_tokens("train"), self.block_size)
+        dataset = _Windows(self._split_path("train"), self.block_size)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -620,7 +635,7 @@ class ByteDataModule(pl.LightningDataModule):
         return self._eval_dataloader(None)
 
     def _eval_dataloader(self, cap: int | None) -> DataLoader:
-        dataset = _Windows(self._split_tokens("val"), self.block_size)
+        dataset = _Windows(self._split_path("val"), self.block_size)
         starts = self._eval_window_starts(cap)
         return DataLoader(
             dataset, batch_size=self.batch_size, sampler=starts, num_workers=self.num_workers,

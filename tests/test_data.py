@@ -348,3 +348,17 @@ def test_tokens_per_step(tmp_path):
     data = ByteDataModule(cache_dir=tmp_path, block_size=128, batch_size=16)
     assert data.tokens_per_step(4) == 16 * 128 * 4
     assert data.tokens_per_step() == 16 * 128
+
+
+def test_datasets_cross_into_spawned_loader_workers(tmp_path, text_folder):
+    """A memory map cannot be pickled: the dataset travels as its cache path (num_workers > 0 under spawn)."""
+    import pickle
+
+    data = make(text_folder, tmp_path / "cache")
+    data.setup("fit")
+    for loader in (data.train_dataloader(), data.val_dataloader()):
+        dataset = loader.dataset
+        copy = pickle.loads(pickle.dumps(dataset))
+        assert len(copy) == len(dataset)
+        for index in (0, len(dataset) // 2, len(dataset) - 1):
+            assert all(torch.equal(a, b) for a, b in zip(copy[index], dataset[index]))
