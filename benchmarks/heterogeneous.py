@@ -36,6 +36,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy, SimulatedClockCallback
+from gasloc_lightning.baselines import CpuThreads
 from gasloc_lightning.data import ByteDataModule
 from gasloc_lightning.models.lm import LanguageModel
 from gasloc_lightning.network import NetworkModel
@@ -112,7 +113,7 @@ def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workd
     trace_path = workdir / f"{name}.json"
     clock = SimulatedClockCallback(network) if spec["kind"] == "ddp" else None
     strategy = DDPStrategy(start_method="fork") if spec["kind"] == "ddp" else make_strategy(spec, network)
-    callbacks = [ValidationTrace(str(trace_path), clock)] + ([clock] if clock else [])
+    callbacks = [ValidationTrace(str(trace_path), clock), CpuThreads()] + ([clock] if clock else [])
     pl.seed_everything(0)
     model = LanguageModel(model="tiny", warmup_steps=20, max_steps=steps,
                           optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95)))
@@ -123,8 +124,6 @@ def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workd
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, callbacks=callbacks,
                          default_root_dir=workdir)
-    if spec["kind"] == "ddp":
-        torch.set_num_threads(1)
     trainer.fit(model, data)
     return json.loads(trace_path.read_text())
 

@@ -35,11 +35,42 @@ whose rate is >= 1.
 
 How the rate is computed:
 
-- fixed W: exactly, one 2x2 mode matrix per eigenvalue lambda of W on the disagreement space
-  (3x3 on (theta, x, u_prev) with overlap) (``consensus_rate_fixed``);
+- fixed W: exactly, one 2x2 mode matrix per eigenvalue lambda of W on the disagreement space,
+  3x3 on (theta, x, u_prev) with overlap (``consensus_rate_fixed``);
 - a periodic schedule of commuting W (the hypercube): exactly, the product of the mode
   matrices over one period for each common eigenvector (``consensus_rate_periodic``);
-- random schedules: a seeded float64 simulation (``consensus_rate_simulated``).
+- random schedules: a seeded float64 simulation (``consensus_rate_simulated``; with overlap,
+  many gammas share one simulation in ``consensus_rates_simulated``, and
+  ``max_stable_momentum_grid`` searches the limit with two of them).
+
+Stability of the overlapped exchange (anchored form, no gradients; measured with
+``Topology.max_stable_momentum(n, overlap=True, delayed_weight=beta)``; "none" means that no
+gamma in [0, 1) has rate < 1; 0.999 is the top of the search):
+
+============  =====================  =====================  ==================================
+topology      largest stable gamma,  largest stable gamma,  rate at gamma = 0.9, n = 16:
+              beta = 1, n = 4 / 8 /  beta = 1/2 (1/4),      beta = 1 / 1/2 / 1/4
+              16 / 64                n = 4 .. 64            (no overlap)
+============  =====================  =====================  ==================================
+one_peer      0.744 / 0.430 / 0.456  0.999, 0.941, 0.932,   1.159 / 0.985 / 0.944 (0.873)
+              / 0.474                0.937 (0.999)
+two_peer      0.691 / 0.690 / 0.688  0.999 (0.999)          1.086 / 0.938 / 0.930 (0.744)
+              / 0.697
+ring          none (any even n)      0.999 (0.999)          1.251 / 0.962 / 0.946 (0.930)
+exponential   none                   0.999, n = 64: 0.699   1.270 / 0.962 / 0.932 (0.949)
+                                     (0.999)
+complete      none                   0.999 (0.999)          1.251 / 0.962 / 0.896 (0)
+============  =====================  =====================  ==================================
+
+Why the plain delayed exchange (beta = 1) fails: a mode with lambda = 0 (the complete graph,
+every hypercube round, lambda_min of a ring or torus with an even side, any n = 2) follows
+d(t+1) = d(t) - d(t-1) at gamma = 0, a rotation by 60 degrees per round (modulus exactly 1),
+and momentum pushes that root outside the unit circle. For a mode lambda the gamma = 0 roots
+solve r^2 - r + beta (1 - lambda) = 0, of modulus sqrt(beta (1 - lambda)) when complex:
+halving the correction (beta = 1/2) makes every fixed positive semidefinite W stable for every
+gamma < 1 (a scan of lambda in [0, 1)), and beta = 1/4 also the hypercube up to n = 64. Odd
+rings keep a small stable range at beta = 1 (0.597 at n = 3, 0.104 at n = 15). With post_mix
+and overlap the limits are lower still (n = 16, beta = 1: one_peer 0.184, two_peer 0.351).
 
 Everything here is pure float64 math on CPU tensors; no process group is involved.
 """
@@ -493,7 +524,10 @@ def _log_disagreements(
     for t in range(rounds):
         matrices = [sample_matrix(first + t) for _, first in runs]
         stacked = _StackedSparse(matrices) if matrices[0].is_sparse else torch.stack(matrices)  # (R, n, n)
-        state = _overlap_step(state, stacked, gamma, form, beta) if overlap else _step(*state, stacked, gamma, form)
+        if overlap:
+            state = _overlap_step(state, stacked, gamma, form, beta)
+        else:
+            state = _step(*state, stacked, gamma, form)
         for part in state:  # drop the mean, which evolves on its own (see _log_disagreement)
             part -= part.mean(dim=1, keepdim=True)
         blocks = [part.view(len(runs), world_size, count, columns) for part in state]  # (R, n, G, d) views

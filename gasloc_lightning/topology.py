@@ -6,22 +6,25 @@ build or query one. Mixing with the round's symmetric weights w_ij = w_ji > 0 is
 ``(W v)_i = v_i - sum_j w_ij (v_i - v_j)``, so W = I - L is symmetric and doubly stochastic
 (ALGORITHM.md, "Notation" and "Topologies").
 
-Named topologies (``build_topology(name)``):
+Named topologies (``build_topology(name)``; ``custom`` and ``bandwidth_aware`` need their
+edges or network, so build their class and pass the object):
 
-=============  ==========================================================  ===================
-name           graph of round t                                            n
-=============  ==========================================================  ===================
-one_peer       uniformly random perfect matching, w = 1/2; odd n: one      any
-               rank sits out
-two_peer       ring over a fresh random permutation, w = 1/4               >= 3
-ring           fixed ring, w = 1/4 per edge                                any
-torus          fixed 2-D torus r x c (most square), w = 1/8 per edge       composite
-exponential    hypercube dimension exchange i <-> i XOR 2^(t mod log2 n),  power of two
-               w = 1/2
-complete       w = 1/n to everyone: an all-reduce mean (exactly DiLoCo)    any
-custom         fixed user-given weighted edges (``CustomTopology``)        as given
-local          no communication at all (a baseline)                        any
-=============  ==========================================================  ===================
+===============  ==========================================================  ============
+name             graph of round t                                            n
+===============  ==========================================================  ============
+one_peer         uniformly random perfect matching, w = 1/2; odd n: one      any
+                 rank sits out
+two_peer         ring over a fresh random permutation, w = 1/4               >= 3
+ring             fixed ring, w = 1/4 per edge                                any
+torus            fixed 2-D torus r x c (most square), w = 1/8 per edge       composite
+exponential      hypercube dimension exchange i <-> i XOR 2^(t mod log2 n),  power of two
+                 w = 1/2
+complete         w = 1/n to everyone: an all-reduce mean (exactly DiLoCo)    any
+custom           fixed user-given weighted edges (``CustomTopology``)        as given
+bandwidth_aware  random matching, w = 1/2, mostly inside clusters of fast    as given
+                 links, across at a set rate (``BandwidthAwareTopology``)
+local            no communication at all (a baseline)                        any
+===============  ==========================================================  ============
 
 Edges that coincide (ring with n = 2, torus with r = 2 or c = 2) have their weights summed,
 so the row sums and the spectrum stay those of the general case; every named graph is
@@ -31,24 +34,37 @@ Default outer momentum gamma (``default_outer_momentum``) for the default anchor
 the consensus rate it gives (per-round contraction of the disagreement, no gradients; < 1 is
 stable) at n = 16 / 64:
 
-===========  ==============  =============  =================================================
-topology     gamma           rate 16 / 64   why
-===========  ==============  =============  =================================================
-one_peer     0.9             0.873 / 0.892  DiLoCo's value. ALGORITHM.md measured the
-two_peer     0.9             0.744 / 0.767  anchored form stable for every gamma <= 0.95 on
-ring         0.9             0.930 / 0.986  one_peer (n = 8..1024), two_peer and ring
-torus        0.9             0.822 / 0.913  (n <= 64); torus: exact rates as listed.
-complete     0.9             0 / 0          Exactly DiLoCo's outer Nesterov step.
-exponential  0.9 (n <= 16)   0.949 / -      Stable for any gamma < 1 up to n = 16, but only
-             0.7 (n >= 32)   - / 0.949      up to 0.848 (n = 32), 0.786 (n = 64), falling to
-                                            0.707: ALGORITHM.md caps gamma at 0.7 there.
-custom       0.9 if stable                  else 0.9 x its largest stable gamma.
-local        0.0             1 / 1          Nothing keeps the replicas together anyway.
-===========  ==============  =============  =================================================
+===============  ==============  =============  =============================================
+topology         gamma           rate 16 / 64   why
+===============  ==============  =============  =============================================
+one_peer         0.9             0.873 / 0.892  DiLoCo's value. ALGORITHM.md measured the
+two_peer         0.9             0.744 / 0.767  anchored form stable for every gamma <= 0.95
+ring             0.9             0.930 / 0.986  on one_peer (n = 8..1024), two_peer and ring
+torus            0.9             0.822 / 0.913  (n <= 64); torus: exact rates as listed.
+complete         0.9             0 / 0          Exactly DiLoCo's outer Nesterov step.
+exponential      0.9 (n <= 16)   0.949 / -      Stable for any gamma < 1 up to n = 16, but
+                 0.7 (n >= 32)   - / 0.949      only up to 0.848 (n = 32), 0.786 (n = 64),
+                                                falling to 0.707: ALGORITHM.md caps gamma at
+                                                0.7 there.
+custom           0.9 if stable                  else 0.9 x its largest stable gamma.
+bandwidth_aware  0.9             0.852 / 0.884  Two clusters of 8 / 32, slow_link_rate 0.2.
+                                                Singleton clusters idle through every fast
+                                                round and lower it (0.664 for 6 singletons).
+local            0.0             1 / 1          Nothing keeps the replicas together anyway.
+===============  ==============  =============  =============================================
 
 Whenever 0.9 is not stable (any topology, e.g. the post_mix form on a random graph), the
 default becomes 0.9 x the largest stable gamma, rounded down to 3 decimals, which keeps a
 margin inside the stability region.
+
+With ``overlap=True`` (the exchange folded in one round late, see
+:mod:`gasloc_lightning.stability`) the same rule gives, for the plain delayed exchange
+(``delayed_weight`` = 1): one_peer about 0.4 (0.387 / 0.41 / 0.426 at n = 8 / 16 / 64, rate
+0.986 - 0.989), two_peer 0.62 (rate 0.97 - 0.98), bandwidth_aware about 0.4 (two clusters,
+n >= 8); and 0.0 for ring, torus, exponential, complete and any n = 2, where no gamma is
+stable (rate 1 at gamma = 0), so the strategy refuses them. With ``delayed_weight`` = 1/2 or
+1/4 the default is 0.9 for every named topology at n = 2 .. 16 (0.628 for the hypercube of 64
+at 1/2).
 """
 
 from __future__ import annotations
@@ -325,9 +341,10 @@ class Topology(abc.ABC):
             overlap: the one-round-delayed exchange.
             delayed_weight: beta in (0, 1], the factor on the delayed correction (overlap only).
         """
-        if self.consensus_rate(world_size, _DEFAULT_MOMENTUM, form, overlap, delayed_weight=delayed_weight) < 1.0:
+        delayed = {"overlap": overlap, "delayed_weight": delayed_weight}
+        if self.consensus_rate(world_size, _DEFAULT_MOMENTUM, form, **delayed) < 1.0:
             return _DEFAULT_MOMENTUM
-        limit = self.max_stable_momentum(world_size, form, overlap, delayed_weight=delayed_weight)
+        limit = self.max_stable_momentum(world_size, form, **delayed)
         return 0.0 if limit is None else math.floor(_DEFAULT_MOMENTUM * limit * 1000.0) / 1000.0
 
     def _memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
@@ -590,7 +607,9 @@ class CompleteTopology(Topology):
         delayed_weight: float = 1.0,
     ) -> float:
         if overlap:
-            return super().consensus_rate(world_size, outer_momentum, form, overlap, delayed_weight=delayed_weight)
+            return super().consensus_rate(
+                world_size, outer_momentum, form, overlap, delayed_weight=delayed_weight
+            )
         stability.check_form(form)
         stability.check_outer_momentum(outer_momentum)
         stability.check_delayed_weight(delayed_weight)
@@ -771,6 +790,8 @@ _SAMPLED_ORDERS = 4096
 def _clusters_from_bandwidth(bandwidth: object) -> list[int]:
     """Cluster index of every rank: connected components of the fast links (see BandwidthAwareTopology)."""
     try:
+        if not isinstance(bandwidth, Tensor):  # nested sequences of any kind (e.g. Hydra's ListConfig)
+            bandwidth = [[float(value) for value in row] for row in bandwidth]  # type: ignore[attr-defined]
         matrix = torch.as_tensor(bandwidth, dtype=_DTYPE)
     except (TypeError, ValueError, RuntimeError) as error:
         raise TopologyError(f"bandwidth must be an n x n matrix of numbers: {error}") from None
@@ -890,9 +911,9 @@ class BandwidthAwareTopology(Topology):
 
     Clusters from a bandwidth matrix: a link is slow when its bandwidth is below the largest
     ratio gap between the distinct bandwidths (if that gap is at least 2x; otherwise all links
-    count as fast and the topology is ``one_peer``); clusters are the connected components of
-    the fast links, and a slow link inside a component is an error. With a single cluster
-    there is no slow link and every round is a fast round.
+    count as fast). Clusters are the connected components of the fast links, and a slow link
+    inside a component is an error. With a single cluster there is no slow link and every
+    round is a fast round: one_peer's uniform matchings.
 
     Args:
         bandwidth: symmetric n x n link bandwidths, > 0 off the diagonal (any unit, e.g.
@@ -951,7 +972,8 @@ class BandwidthAwareTopology(Topology):
             slow_link_rate: see the class.
             seed: see the class.
         """
-        if isinstance(sizes, (str, numbers.Number)) or not sizes or not all(_is_index(s) and s > 0 for s in sizes):
+        valid = not isinstance(sizes, (str, numbers.Number)) and len(sizes) > 0
+        if not valid or not all(_is_index(size) and size > 0 for size in sizes):
             raise TopologyError(f"sizes must be a non-empty list of positive ints, got {sizes!r}")
         labels = [index for index, size in enumerate(sizes) for _ in range(size)]
         return cls(clusters=labels, slow_link_rate=slow_link_rate, seed=seed)
@@ -995,18 +1017,19 @@ class BandwidthAwareTopology(Topology):
 
     def mixing_weights(self, rank: int, world_size: int, round_index: int) -> dict[int, float]:
         self.check_world_size(world_size)
-        partners, _ = _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)
-        partner = partners[rank]
+        partner = self._round(round_index)[0][rank]
         return {} if partner == rank else {partner: 0.5}
 
     def mixing_matrix(self, world_size: int, round_index: int, sparse: bool = False) -> Tensor:
         self.check_world_size(world_size)
-        partners, _ = _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)
-        return _matching_matrix(partners, sparse)
+        return _matching_matrix(self._round(round_index)[0], sparse)
 
     def is_cross_round(self, round_index: int) -> bool:
         """Whether round t is a cross round (pairs across clusters; it may be slow)."""
-        return _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)[1]
+        return self._round(round_index)[1]
+
+    def _round(self, round_index: int) -> tuple[tuple[int, ...], bool]:
+        return _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)
 
     def expected_slow_link_rate(self, world_size: int) -> float:
         """Exact probability that a worker's peer in a round is across a slow link, averaged over workers.
@@ -1029,7 +1052,8 @@ class BandwidthAwareTopology(Topology):
     def _spectral_gap(self, world_size: int) -> float:
         if world_size == 1:
             return 1.0
-        meet = self._cross_probability * self._cross_meetings() + (1.0 - self._cross_probability) * self._fast_meetings()
+        q = self._cross_probability
+        meet = q * self._cross_meetings() + (1.0 - q) * self._fast_meetings()  # (n, n) P(i and j pair up)
         expected = torch.eye(world_size, dtype=_DTYPE) - 0.5 * (torch.diag(meet.sum(dim=1)) - meet)  # E[W]
         return 1.0 - float(stability.disagreement_eigenvalues(expected).max())
 

@@ -330,8 +330,9 @@ def test_overlap_hypercube_rate_is_exact(gamma, beta):
 
 def test_overlap_rates_of_many_gammas_at_once():
     sample, gammas, short = schedule("two_peer", 8, seed=1), [0.0, 0.5, 0.9], {"rounds": 60, "seeds": (0, 1)}
-    together = stability.consensus_rates_simulated(sample, 8, gammas, **short, overlap=True, delayed_weight=0.5)
-    alone = [consensus_rate_simulated(sample, 8, g, **short, overlap=True, delayed_weight=0.5) for g in gammas]
+    delayed = {"overlap": True, "delayed_weight": 0.5}
+    together = stability.consensus_rates_simulated(sample, 8, gammas, **short, **delayed)
+    alone = [consensus_rate_simulated(sample, 8, g, **short, **delayed) for g in gammas]
     assert together == pytest.approx(alone, rel=1e-9)
     plain = stability.consensus_rates_simulated(sample, 8, gammas, **short)
     assert plain == pytest.approx([consensus_rate_simulated(sample, 8, g, **short) for g in gammas], rel=1e-9)

@@ -423,7 +423,8 @@ def test_bandwidth_aware_peers_agree_across_ranks_without_coordination():
     for t in range(rounds):
         assert [next(iter(per_rank[r].mixing_weights(r, n, t)), None) for r in range(n)] == mine[t]
     assert len({str(m) for m in mine}) > 5, "the matching should change from round to round"
-    assert mine != [partners(BandwidthAwareTopology(bandwidth=TWO_NODES, seed=8), n, t) for t in range(rounds)]
+    other_seed = BandwidthAwareTopology(bandwidth=TWO_NODES, seed=8)
+    assert mine != [partners(other_seed, n, t) for t in range(rounds)]
 
 
 def test_bandwidth_aware_schedule_is_pinned():
@@ -442,11 +443,11 @@ def test_bandwidth_aware_uses_slow_links_at_the_expected_rate(sizes, rate):
     topology = BandwidthAwareTopology.from_clusters(sizes, slow_link_rate=rate, seed=11)
     expected = topology.expected_slow_link_rate(n)
     assert expected == pytest.approx(rate)
-    per_round = torch.tensor(
-        [sum(p is not None and topology.is_slow_link(i, p) for i, p in enumerate(partners(topology, n, t))) / n
-         for t in range(rounds)],
-        dtype=torch.float64,
-    )
+    def slow_share(t: int) -> float:
+        peers = partners(topology, n, t)
+        return sum(p is not None and topology.is_slow_link(i, p) for i, p in enumerate(peers)) / n
+
+    per_round = torch.tensor([slow_share(t) for t in range(rounds)], dtype=torch.float64)
     sigma = max(float(per_round.std()), 1e-12) / rounds**0.5
     assert abs(float(per_round.mean()) - expected) <= 3 * sigma + 1e-12
 

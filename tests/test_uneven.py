@@ -164,13 +164,14 @@ def test_ddp_gets_a_simulated_clock_through_the_callback(tmp_path, fresh_port):
     from lightning.pytorch.strategies import DDPStrategy
 
     from gasloc_lightning import SimulatedClockCallback
+    from gasloc_lightning.baselines import CpuThreads  # one thread per forked worker: no OpenMP hang after fork
 
     network = NetworkModel.uniform(world_size=2, bandwidth_gbps=10.0, latency_s=0.001, speeds=[1.0, 0.5],
                                    model_parameters=10_000_000)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(start_method="fork"), max_steps=5,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          use_distributed_sampler=False, limit_val_batches=0, default_root_dir=tmp_path,
-                         callbacks=[SimulatedClockCallback(network)])
+                         callbacks=[SimulatedClockCallback(network), CpuThreads()])
     trainer.fit(TinyRegressor())
     per_step = network.step_time(1) + network.all_reduce_time(network.message_bytes())
     assert float(trainer.callback_metrics["sim_time"]) == pytest.approx(5 * per_step, rel=1e-6)
