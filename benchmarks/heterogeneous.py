@@ -40,7 +40,7 @@ from gasloc_lightning.baselines import CpuThreads
 from gasloc_lightning.data import ByteDataModule
 from gasloc_lightning.models.lm import LanguageModel
 from gasloc_lightning.network import NetworkModel
-from gasloc_lightning.topology import build_topology
+from gasloc_lightning.topology import BandwidthAwareTopology
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "network"
 SCENARIOS = ("uniform_fast", "two_clusters", "straggler", "cloud_mix")
@@ -104,7 +104,7 @@ def make_strategy(spec: dict, network: NetworkModel):
         return DiLoCoStrategy(**common, **spec)
     if spec.get("topology") == "bandwidth_aware":
         clusters = [network.cluster_of(rank) for rank in range(network.world_size)]
-        spec["topology"] = build_topology("bandwidth_aware", clusters=clusters)
+        spec["topology"] = BandwidthAwareTopology(clusters=clusters)
     return GASLoCStrategy(**common, **spec)
 
 

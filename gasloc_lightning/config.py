@@ -51,6 +51,14 @@ class TopologySchema:
 
 
 @dataclass
+class BandwidthAwareTopologySchema(TopologySchema):
+    """Matchings that favour fast links: clusters over consecutive ranks (``sizes``)."""
+
+    sizes: list[int] = MISSING
+    slow_link_rate: float = 0.2
+
+
+@dataclass
 class LocalStepsSchema:
     """Arguments shared by every strategy built on ``LocalStepsStrategy`` (gasloc, diloco, local)."""
 
@@ -79,6 +87,7 @@ class GASLoCStrategySchema(LocalStepsSchema):
     topology: Any = "one_peer"  # a name or a topology node
     seed: int = 0
     overlap: bool = False
+    delayed_weight: float = 0.25
     message_dtype: str = "float32"
 
 
@@ -192,7 +201,10 @@ class TrainSchema:
     logger: Optional[Dict[str, Any]] = None
     callbacks: Optional[Dict[str, Any]] = None
     seed: int = 0
-    inner_steps: int = 50  # H, shared by gasloc, diloco and local so a sweep over strategies keeps it
+    # H, shared by gasloc, diloco and local so a sweep over strategies keeps it: an int, one int per
+    # rank, or "auto" (H_i by speed; needs a network). Validated by the strategy.
+    inner_steps: Any = 50
+    overlap: bool = False  # gasloc: overlapped gossip (shared so scenario presets can set it for a sweep)
     cache_dir: str = "~/.cache/gasloc-lightning"
     output_dir: str = MISSING
 
@@ -203,6 +215,7 @@ _SCHEMAS: dict[tuple[str, str], type] = {
     ("schema/strategy", "diloco"): DiLoCoStrategySchema,
     ("schema/strategy", "ddp"): DDPStrategySchema,
     ("schema/topology", "topology"): TopologySchema,
+    ("schema/topology", "bandwidth_aware"): BandwidthAwareTopologySchema,
     ("schema/model", "language_model"): LanguageModelSchema,
     ("schema/data", "bytes"): ByteDataSchema,
     ("schema/trainer", "trainer"): TrainerSchema,

@@ -11,12 +11,16 @@ two variants follow with no change to the outer step:
   *rounded* message in C_i, so C_i is antisymmetric per pair and the replicas' mean is still
   preserved exactly; only the disagreement sees the rounding.
 - ``overlap=True``: the exchange of round t is posted and the next inner phase starts at once;
-  C_i(t) is folded in at the end of round t+1:
+  C_i(t) is folded in at the end of round t+1, scaled by the delayed weight beta:
 
-      theta_i(t+1) = u_i(t) + C_i(t-1),   C_i(t-1) = sum_j w_ij(t-1) (m_j(t-1) - m_i(t-1)).
+      theta_i(t+1) = u_i(t) + beta C_i(t-1),   C_i(t-1) = sum_j w_ij(t-1) (m_j(t-1) - m_i(t-1)).
 
   The delayed term is still antisymmetric per pair, so the mean is preserved (rejected messages
-  excepted). Its stability is checked by ``Topology.consensus_rate(..., overlap=True)``.
+  excepted). With beta = 1 a mode with eigenvalue 0 (every pairwise average, the complete graph,
+  the hypercube, a ring of even size) follows d(t+1) = d(t) - d(t-1): it never contracts, and any
+  momentum makes it grow. beta = 1/2 makes every fixed PSD graph stable for every gamma < 1;
+  beta = 1/4 (the default) also covers the hypercube and contracts faster at gamma = 0.9. The
+  stability check is ``Topology.consensus_rate(..., overlap=True, delayed_weight=beta)``.
 
 Buffers: one float32 correction C (model size), the low-precision send buffer if any, and the
 transport's receive buffers. Nothing in flight may be written: the strategy calls :meth:`drain`
@@ -45,6 +49,7 @@ class CorrectionExchange:
         numel: elements of one message.
         message_dtype: dtype on the wire (float32 or bfloat16).
         overlap: fold each exchange in one round late instead of waiting for it.
+        delayed_weight: beta in (0, 1], the scale of a delayed correction (overlap only).
         accept: filters received messages (drops non-finite ones); gets ``(received, peers)``.
     """
 
@@ -55,8 +60,12 @@ class CorrectionExchange:
         message_dtype: torch.dtype,
         overlap: bool,
         accept: Accept,
+        delayed_weight: float = 1.0,
     ) -> None:
+        if not 0.0 < delayed_weight <= 1.0:
+            raise ValueError(f"delayed_weight must lie in (0, 1], got {delayed_weight}")
         self.transport, self.overlap, self.message_dtype = transport, overlap, message_dtype
+        self._scale = delayed_weight if overlap else 1.0
         self._accept = accept
         self.correction = torch.zeros(numel, dtype=torch.float32, device=transport.device)
         self.ready = False  # `correction` holds a term not yet applied
@@ -102,8 +111,9 @@ class CorrectionExchange:
             raise RuntimeError("a correction was drained before the previous one was applied")
         self.correction.zero_()
         for weight, incoming in received:
-            self.correction.add_(incoming, alpha=weight)  # sum_j w_ij m_j
-        self.correction.sub_(self._sent, alpha=sum(weight for weight, _ in received))  # - sum_j w_ij m_i
+            self.correction.add_(incoming, alpha=self._scale * weight)  # beta sum_j w_ij m_j
+        total = sum(weight for weight, _ in received)
+        self.correction.sub_(self._sent, alpha=self._scale * total)  # - beta sum_j w_ij m_i
         self.ready = bool(received)
 
     def take(self) -> Tensor | None:

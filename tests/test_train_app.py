@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app_utils import EXPERIMENTS, QUICK, compose_config, finished_sweep, run_app, shared_cache_dir
+from app_utils import CONF, EXPERIMENTS, QUICK, compose_config, finished_sweep, run_app, shared_cache_dir
 from gasloc_lightning.summary import SUMMARY_FILE
 from gasloc_lightning.train import train
 
@@ -20,18 +20,30 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / SUMMARY_FILE).read_text())
 
 
+def quick_overrides(experiment: str) -> tuple[list[str], int]:
+    """QUICK, except that network scenarios keep their 8 workers (their network model has 8), forked
+    so that 8 workers start in seconds, and keep inner_steps=auto where they set it."""
+    if not experiment.startswith("scenario_"):
+        return QUICK, 2
+    text = (CONF / "experiment" / f"{experiment}.yaml").read_text()
+    steps = ["strategy.fastest_inner_steps=2"] if "inner_steps: auto" in text else ["inner_steps=2"]
+    quick = [o for o in QUICK if not o.startswith(("trainer.devices=", "inner_steps="))]
+    return [*quick, *steps, "trainer.devices=8", "strategy.start_method=fork"], 8
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_runs_a_few_steps(experiment, tmp_path, tmp_path_factory, fresh_port):
     fresh_port()
-    cfg = compose_config([f"experiment={experiment}", *QUICK], output_dir=tmp_path,
+    overrides, workers = quick_overrides(experiment)
+    cfg = compose_config([f"experiment={experiment}", *overrides], output_dir=tmp_path,
                          cache_dir=shared_cache_dir(tmp_path_factory))
     val_loss = train(cfg)
     summary = _summary(tmp_path)
     assert math.isfinite(val_loss) and summary["final"]["val_loss"] == pytest.approx(val_loss)
     assert summary["final"]["step"] == summary["budget"]["steps"] == 4
-    assert summary["world_size"] == 2
-    assert summary["budget"]["tokens"] == 4 * 4 * 64 * 2  # steps x B x T x workers
+    assert summary["world_size"] == workers
+    assert summary["budget"]["tokens"] == 4 * 4 * 64 * workers  # steps x B x T x workers
     assert summary["budget"]["rounds"] == 2  # 4 steps / H=2
     assert (tmp_path / summary["metrics_csv"]).is_file()
 

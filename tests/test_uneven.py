@@ -175,3 +175,22 @@ def test_ddp_gets_a_simulated_clock_through_the_callback(tmp_path, fresh_port):
     trainer.fit(TinyRegressor())
     per_step = network.step_time(1) + network.all_reduce_time(network.message_bytes())
     assert float(trainer.callback_metrics["sim_time"]) == pytest.approx(5 * per_step, rel=1e-6)
+
+
+def test_overlapped_gossip_keeps_the_mean_and_shrinks_the_spread(tmp_path, fresh_port):
+    model = TinyRegressor(inner_lr=0.0, optimizer="sgd")
+    records = run(tmp_path, gossip_only(inner_steps=2, overlap=True, consensus_every=0), model=model,
+                  devices=4, max_steps=16, perturb=0.5)
+    history = torch.stack([r["history"] for r in records])  # (ranks, records, P)
+    after = torch.stack([r["after_fit"] for r in records])  # end of fit: averaged
+    mean = history.mean(0)
+    assert ((mean - mean[0]).norm(dim=1) <= 1e-5 * mean[0].norm()).all()  # every step, delayed terms included
+    spread = ((history - mean) ** 2).sum(dim=(0, 2))
+    assert spread[-1] < 0.5 * spread[0]
+    assert torch.allclose(after.mean(0), mean[0], atol=1e-5)
+
+
+def test_overlap_with_full_delayed_weight_is_refused_where_it_cannot_contract():
+    with pytest.raises(ValueError, match="unstable"):
+        pl.Trainer(accelerator="cpu", devices=4, logger=False,
+                   strategy=GASLoCStrategy(topology="ring", overlap=True, delayed_weight=1.0, outer_momentum=0.5))
