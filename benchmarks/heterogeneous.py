@@ -110,7 +110,7 @@ def make_strategy(spec: dict, network: NetworkModel):
 
 def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workdir: Path, name: str) -> list:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    trace_path = workdir / f"{name}.json"
+    trace_path = workdir / (name.replace("/", "_").replace("+", "_") + ".json")
     clock = SimulatedClockCallback(network) if spec["kind"] == "ddp" else None
     strategy = DDPStrategy(start_method="fork") if spec["kind"] == "ddp" else make_strategy(spec, network)
     callbacks = [ValidationTrace(str(trace_path), clock), CpuThreads()] + ([clock] if clock else [])
