@@ -6,6 +6,7 @@ import os
 import socket
 
 import pytest
+import torch
 import torch.distributed as dist
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -42,3 +43,12 @@ def fresh_port(monkeypatch):
 
     new_port()
     return new_port
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one thread is faster, and avoids oversubscription next to other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

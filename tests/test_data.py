@@ -18,16 +18,7 @@ import torch
 from gasloc_lightning.data import ByteDataModule, byte_unigram_entropy, stdlib_source_files
 from gasloc_lightning.models import LanguageModel
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: one thread is faster, and avoids oversubscription next to other processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture

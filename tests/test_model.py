@@ -20,16 +20,7 @@ from gasloc_lightning.models import (
     warmup_cosine_factor,
 )
 
-pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: one thread is faster, and avoids oversubscription next to other processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def tiny_config(**overrides) -> GPTConfig:
