@@ -132,6 +132,7 @@ class LocalStepsStrategy(DDPStrategy):
         self._layout: FlatLayout | None = None
         self._transport: GossipTransport | None = None
         self._work: Tensor | None = None  # one flat model-size scratch vector, reused every round
+        self._float_scratch: Tensor | None = None  # the average's buffer when messages are not float32
         self._round_index = 0
         self._steps_in_round = 0
         self._consensus_distance: float | None = None
@@ -510,13 +511,27 @@ class LocalStepsStrategy(DDPStrategy):
             return 0.0
         self._drain_exchanges()
         params, _ = self.layout.split(self.layout.gather(self._work))
-        mean = self._transport.receive_buffer(0)[: params.numel()]
-        mean.copy_(params)
-        dist.all_reduce(mean)
-        mean.div_(self.world_size)
+        mean = self._replica_mean(params)
         distance = torch.sub(params, mean, out=mean).pow_(2).sum().reshape(1).double()
         dist.all_reduce(distance)
         return distance.item() / self.world_size
+
+    def _mean_buffer(self) -> Tensor:
+        """Float32 model-size scratch for the replicas' average: the first receive buffer when messages
+        are float32 (free outside a round), else a buffer of its own (averaging in bfloat16 would round)."""
+        buffer = self.transport.receive_buffer(0)
+        if buffer.dtype == torch.float32:
+            return buffer
+        if self._float_scratch is None:
+            self._float_scratch = self.layout.new_buffer()
+        return self._float_scratch
+
+    def _replica_mean(self, flat: Tensor) -> Tensor:
+        """The average of ``flat`` over every rank (a collective), in the mean buffer."""
+        mean = self._mean_buffer()[: flat.numel()]
+        mean.copy_(flat)
+        dist.all_reduce(mean)
+        return mean.div_(self.world_size)
 
     @torch.no_grad()
     def swap_in_consensus(self) -> None:
@@ -526,10 +541,7 @@ class LocalStepsStrategy(DDPStrategy):
         self._drain_exchanges()
         self._local_backup = self.layout.gather(self._work)
         if self.world_size > 1:
-            mean = self._transport.receive_buffer(0)
-            mean.copy_(self._local_backup)
-            dist.all_reduce(mean)
-            self.layout.scatter(mean.div_(self.world_size))
+            self.layout.scatter(self._replica_mean(self._local_backup))
 
     @torch.no_grad()
     def show_local(self) -> None:
@@ -541,7 +553,7 @@ class LocalStepsStrategy(DDPStrategy):
     def show_consensus(self) -> None:
         """Undo ``show_local`` (the average is still in its buffer)."""
         if self._local_backup is not None and self.world_size > 1:
-            self.layout.scatter(self._transport.receive_buffer(0))
+            self.layout.scatter(self._mean_buffer())
 
     @torch.no_grad()
     def restore_local(self) -> None:

@@ -51,6 +51,9 @@ def test_bfloat16_messages_halve_the_bytes_and_keep_the_mean(tmp_path, fresh_por
     assert spread[-1] < 0.5 * spread[0]
     for record in records:
         assert record["bytes_sent"] == 3 * record["exchanged_numel"] * 2  # 3 rounds, one peer, 2 bytes each
+    # the end-of-fit consensus is averaged in float32, not in the wire's bfloat16
+    consensus = torch.stack([r["final"] for r in records]).mean(0)
+    assert all(torch.allclose(r["after_fit"], consensus, rtol=0, atol=1e-6) for r in records)
 
 
 def test_complete_topology_refuses_overlap_and_bfloat16():
