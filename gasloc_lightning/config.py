@@ -87,7 +87,7 @@ class GASLoCStrategySchema(LocalStepsSchema):
     topology: Any = "one_peer"  # a name or a topology node
     seed: int = 0
     overlap: bool = False
-    delayed_weight: float = 0.25
+    delayed_weight: float = 1.0
     message_dtype: str = "float32"
 
 

@@ -11,20 +11,23 @@ two variants follow with no change to the outer step:
   *rounded* message in C_i, so C_i is antisymmetric per pair and the replicas' mean is still
   preserved exactly; only the disagreement sees the rounding.
 - ``overlap=True``: the exchange of round t is posted and the next inner phase starts at once;
-  C_i(t) is folded in at the end of round t+1, scaled by the delayed weight beta:
+  its correction is folded in at the end of round t+1, scaled by the delayed weight beta, and
+  the point posted is the one the worker moves to, *with* the correction just folded in::
 
-      theta_i(t+1) = u_i(t) + beta C_i(t-1),   C_i(t-1) = sum_j w_ij(t-1) (m_j(t-1) - m_i(t-1)).
+      p_i(t)     = u_i(t) + beta C_i(t-1)          (the live point, and the message of round t)
+      C_i(t-1)   = sum_j w_ij(t-1) (m_j(t-1) - m_i(t-1)),   m = p (or its bfloat16 rounding).
 
-  The delayed term is still antisymmetric per pair, so the mean is preserved (rejected messages
-  excepted). With beta = 1 a mode with eigenvalue 0 (every pairwise average, the complete graph,
-  the hypercube, a ring of even size) follows d(t+1) = d(t) - d(t-1): it never contracts, and any
-  momentum makes it grow. beta = 1/2 makes every fixed PSD graph stable for every gamma < 1;
-  beta = 1/4 (the default) also covers the hypercube and contracts faster at gamma = 0.9. The
-  stability check is ``Topology.consensus_rate(..., overlap=True, delayed_weight=beta)``.
+  The delayed term is antisymmetric per pair, so the mean is preserved (rejected messages
+  excepted). Sending p rather than u matters: a correction already applied is then never
+  measured (and applied) a second time. With no gradients and gamma = 0 a mode lambda of W
+  contracts by exactly lambda per round, as without overlap, and beta = 1 (the default) is
+  stable on every graph for every gamma < 1 (see :mod:`gasloc_lightning.stability`; sending u
+  instead made a lambda = 0 mode follow d(t+1) = d(t) - d(t-1), which never contracts).
 
-Buffers: one float32 correction C (model size), the low-precision send buffer if any, and the
-transport's receive buffers. Nothing in flight may be written: the strategy calls :meth:`drain`
-before it reuses the message buffer or the receive buffers (evaluation, checkpoints).
+Buffers: one float32 correction C (model size; with overlap and float32 messages it also holds the
+point in flight), the low-precision send buffer if any, and the transport's receive buffers.
+Nothing in flight may be written: the strategy calls :meth:`drain` before it reuses the message
+buffer or the receive buffers (evaluation, checkpoints).
 """
 
 from __future__ import annotations
@@ -82,18 +85,33 @@ class CorrectionExchange:
     def exchange(
         self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None = None
     ) -> Tensor | None:
-        """Send ``message`` (which must stay untouched until drained); return the correction to apply now.
+        """Without overlap: send ``message`` (u), wait, and return this exchange's correction C.
 
-        Without overlap that is this exchange's correction; with overlap, the previous one's.
+        ``message`` must stay untouched until drained. None when nothing came back (no peers, or
+        every message rejected): the worker keeps u.
         """
         if self.overlap:
-            self.drain()
-            current = self.take()
-            self._post(message, peers, round_index, clock)
-            return current
+            raise RuntimeError("exchange() is the synchronous path; with overlap use fold_and_post()")
         self._post(message, peers, round_index, clock)
         self.drain()
         return self.take()
+
+    def fold_and_post(
+        self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None = None
+    ) -> Tensor:
+        """With overlap: fold the previous exchange into ``message`` (u) and post the result.
+
+        Returns the point p = u + beta C(t-1) this worker moves to now, which is also what is in
+        flight: read it, never write it, until the next :meth:`drain`. It is ``message`` itself
+        when there is nothing to fold in; otherwise it lives in this object's correction buffer.
+        """
+        if not self.overlap:
+            raise RuntimeError("fold_and_post() needs overlap=True; use exchange()")
+        self.drain()
+        correction = self.take()
+        point = message if correction is None else correction.add_(message)
+        self._post(point, peers, round_index, clock)
+        return point
 
     def _post(self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None) -> None:
         wire = message if self._send is None else self._send.copy_(message)
@@ -109,11 +127,14 @@ class CorrectionExchange:
         received = self._accept(self.transport.complete(pending), sorted(pending.peers))
         if self.ready:
             raise RuntimeError("a correction was drained before the previous one was applied")
-        self.correction.zero_()
-        for weight, incoming in received:
-            self.correction.add_(incoming, alpha=self._scale * weight)  # beta sum_j w_ij m_j
         total = sum(weight for weight, _ in received)
-        self.correction.sub_(self._sent, alpha=self._scale * total)  # - beta sum_j w_ij m_i
+        if self._sent is self.correction:  # the point sent lives here: C = -beta sum_j w_ij m_i first
+            self.correction.mul_(-self._scale * total)
+        else:
+            self.correction.copy_(self._sent).mul_(-self._scale * total)
+        for weight, incoming in received:
+            self.correction.add_(incoming, alpha=self._scale * weight)  # + beta sum_j w_ij m_j
+        self._sent = None
         self.ready = bool(received)
 
     def take(self) -> Tensor | None:

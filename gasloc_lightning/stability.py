@@ -17,12 +17,12 @@ the n workers, driven by the round's mixing matrix W (symmetric, doubly stochast
 
 With ``overlap=True`` the exchange posted in round t completes in round t + 1 (it runs while
 round t + 1 computes), so the peers' points are folded in one round late, scaled by the
-delayed weight beta (``delayed_weight``; 1 is the plain delayed exchange)::
+delayed weight beta (``delayed_weight``, default 1). The point each worker sends is the one it
+moves to, the correction just folded in::
 
-    anchored:  u(t)       = z(t) + gamma (z(t) - x(t))
-               theta(t+1) = u(t) + beta (W(t-1) - I) u(t-1)
+    anchored:  theta(t+1) = u(t) + beta (W(t-1) - I) p(t-1),  p(t) = theta(t+1)
                x(t+1)     = (theta(t+1) + gamma x(t)) / (1 + gamma)
-    post_mix:  x(t+1)     = z(t) + beta (W(t-1) - I) z(t-1)
+    post_mix:  x(t+1)     = z(t) + beta (W(t-1) - I) p(t-1),  p(t) = x(t+1)
                theta(t+1) = x(t+1) + gamma (x(t+1) - x(t))
 
 with nothing in flight in round 0. The delayed term is antisymmetric per pair, so the mean
@@ -44,33 +44,31 @@ How the rate is computed:
   ``max_stable_momentum_grid`` searches the limit with two of them).
 
 Stability of the overlapped exchange (anchored form, no gradients; measured with
-``Topology.max_stable_momentum(n, overlap=True, delayed_weight=beta)``; "none" means that no
-gamma in [0, 1) has rate < 1; 0.999 is the top of the search):
+``Topology.max_stable_momentum(n, overlap=True, delayed_weight=beta)``; 0.999 is the top of the
+search):
 
-============  =====================  =====================  ==================================
-topology      largest stable gamma,  largest stable gamma,  rate at gamma = 0.9, n = 16:
-              beta = 1, n = 4 / 8 /  beta = 1/2 (1/4),      beta = 1 / 1/2 / 1/4
-              16 / 64                n = 4 .. 64            (no overlap)
-============  =====================  =====================  ==================================
-one_peer      0.744 / 0.430 / 0.456  0.999, 0.941, 0.932,   1.159 / 0.985 / 0.944 (0.873)
-              / 0.474                0.937 (0.999)
-two_peer      0.691 / 0.690 / 0.688  0.999 (0.999)          1.086 / 0.938 / 0.930 (0.744)
-              / 0.697
-ring          none (any even n)      0.999 (0.999)          1.251 / 0.962 / 0.946 (0.930)
-exponential   none                   0.999, n = 64: 0.699   1.270 / 0.962 / 0.932 (0.949)
-                                     (0.999)
-complete      none                   0.999 (0.999)          1.251 / 0.962 / 0.896 (0)
-============  =====================  =====================  ==================================
+============  =====================  ====================================
+topology      largest stable gamma,  rate at gamma = 0.9, n = 16:
+              beta = 1, n = 4 .. 64  beta = 1 / 1/2 / 1/4 (no overlap)
+============  =====================  ====================================
+one_peer      0.999                  0.910 / 0.919 / 0.932 (0.873)
+two_peer      0.999                  0.852 / 0.899 / 0.924 (0.744)
+ring          0.999                  0.939 / 0.944 / 0.946 (0.930)
+exponential   0.999, n = 64: 0.791   0.880 / 0.913 / 0.932 (0.949)
+complete      0.999                  0.653 / 0.814 / 0.884 (0)
+============  =====================  ====================================
 
-Why the plain delayed exchange (beta = 1) fails: a mode with lambda = 0 (the complete graph,
-every hypercube round, lambda_min of a ring or torus with an even side, any n = 2) follows
-d(t+1) = d(t) - d(t-1) at gamma = 0, a rotation by 60 degrees per round (modulus exactly 1),
-and momentum pushes that root outside the unit circle. For a mode lambda the gamma = 0 roots
-solve r^2 - r + beta (1 - lambda) = 0, of modulus sqrt(beta (1 - lambda)) when complex:
-halving the correction (beta = 1/2) makes every fixed positive semidefinite W stable for every
-gamma < 1 (a scan of lambda in [0, 1)), and beta = 1/4 also the hypercube up to n = 64. Odd
-rings keep a small stable range at beta = 1 (0.597 at n = 3, 0.104 at n = 15). With post_mix
-and overlap the limits are lower still (n = 16, beta = 1: one_peer 0.184, two_peer 0.351).
+bandwidth_aware with two clusters of 4 is the exception found so far: 0.875 with overlap.
+At gamma = 0 a mode lambda of a fixed W has the mode matrix [[1, beta (lambda - 1)], [1,
+beta (lambda - 1)]] on (theta, p): eigenvalues 0 and 1 - beta (1 - lambda), so beta = 1
+contracts exactly as fast as the synchronous exchange and a smaller beta only slows it down.
+
+Why the point sent must include the correction: had each worker sent u (the point before the
+delayed term), a correction already applied would be measured again in the next exchange. A
+mode with lambda = 0 (every pairwise average, the complete graph, each hypercube round) then
+follows d(t+1) = d(t) - d(t-1) at gamma = 0, a rotation by 60 degrees per round that never
+contracts, and momentum makes it grow; only damping beta to 1/4 or so kept it stable, at a
+large cost in consensus speed. ``tests/test_stability.py`` keeps that counterexample.
 
 Everything here is pure float64 math on CPU tensors; no process group is involved.
 """
@@ -191,21 +189,22 @@ def _mode_matrices(eigenvalues: Tensor, gamma: float, form: str) -> Tensor:
 
 
 def _overlap_mode_matrices(eigenvalues: Tensor, gamma: float, form: str, beta: float) -> Tensor:
-    # Rows: theta+, x+, p+ over columns theta, x, p (p: last round's point, c = beta (lambda - 1)).
+    # Rows: theta+, x+, p+ over columns theta, x, p (p: the point sent last round, c = beta (lambda - 1)).
     delayed = beta * (eigenvalues.to(_DTYPE) - 1.0)  # (m,)
     out = torch.zeros(*delayed.shape, 3, 3, dtype=_DTYPE)  # (m, 3, 3)
     out[..., 1, 0] = 1.0
-    if form == "anchored":  # theta+ = u + c p, x+ = theta + c p / (1 + gamma), p+ = u
-        out[..., 0, 0] = out[..., 2, 0] = 1.0 + gamma
-        out[..., 0, 1] = out[..., 2, 1] = -gamma
+    if form == "anchored":  # theta+ = u + c p, x+ = theta + c p / (1 + gamma), p+ = theta+
+        out[..., 0, 0] = 1.0 + gamma
+        out[..., 0, 1] = -gamma
         out[..., 0, 2] = delayed
         out[..., 1, 2] = delayed / (1.0 + gamma)
-    else:  # x+ = theta + c p, theta+ = (1 + gamma) x+ - gamma x, p+ = theta
+        out[..., 2, :] = out[..., 0, :]
+    else:  # x+ = theta + c p, theta+ = (1 + gamma) x+ - gamma x, p+ = x+
         out[..., 0, 0] = 1.0 + gamma
         out[..., 0, 1] = -gamma
         out[..., 0, 2] = (1.0 + gamma) * delayed
         out[..., 1, 2] = delayed
-        out[..., 2, 0] = 1.0
+        out[..., 2, :] = out[..., 1, :]
     return out
 
 
@@ -434,16 +433,17 @@ def _step(
 def _overlap_step(
     state: tuple[Tensor, ...], matrix: Tensor, gamma: float | Tensor, form: str, beta: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # in_flight = beta (W(t-1) - I) p(t-1): the exchange posted last round, folded in now.
+    # in_flight = beta (W(t-1) - I) p(t-1): the exchange posted last round, folded in now; the
+    # point sent this round, p(t), already includes it.
     theta, anchor, in_flight = state
     if form == "anchored":
-        sent = theta + gamma * (theta - anchor)  # u, (n, d)
-        theta_next = sent + in_flight
+        theta_next = theta + gamma * (theta - anchor) + in_flight  # u + in_flight
         anchor_next = (theta_next + gamma * anchor) / (1.0 + gamma)
+        sent = theta_next
     else:
-        sent = theta  # z
-        anchor_next = theta + in_flight  # x+
+        anchor_next = theta + in_flight  # z + in_flight
         theta_next = anchor_next + gamma * (anchor_next - anchor)
+        sent = anchor_next
     return theta_next, anchor_next, beta * (matrix @ sent - sent)
 
 

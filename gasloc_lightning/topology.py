@@ -58,13 +58,10 @@ default becomes 0.9 x the largest stable gamma, rounded down to 3 decimals, whic
 margin inside the stability region.
 
 With ``overlap=True`` (the exchange folded in one round late, see
-:mod:`gasloc_lightning.stability`) the same rule gives, for the plain delayed exchange
-(``delayed_weight`` = 1): one_peer about 0.4 (0.387 / 0.41 / 0.426 at n = 8 / 16 / 64, rate
-0.986 - 0.989), two_peer 0.62 (rate 0.97 - 0.98), bandwidth_aware about 0.4 (two clusters,
-n >= 8); and 0.0 for ring, torus, exponential, complete and any n = 2, where no gamma is
-stable (rate 1 at gamma = 0), so the strategy refuses them. With ``delayed_weight`` = 1/2 or
-1/4 the default is 0.9 for every named topology at n = 2 .. 16 (0.628 for the hypercube of 64
-at 1/2).
+:mod:`gasloc_lightning.stability`) the same rule keeps 0.9 for every named topology at
+n = 2 .. 16 (its rate rises a little, e.g. one_peer at n = 16 from 0.873 to 0.910); the
+hypercube of 64 and bandwidth_aware with two clusters of 4 (largest stable gamma 0.875) get
+0.9 x their limit.
 """
 
 from __future__ import annotations
