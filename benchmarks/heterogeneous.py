@@ -4,10 +4,13 @@ For every scenario of ``conf/network/`` (uniform fast, two clusters, a straggler
 this trains, with 8 CPU workers and a tiny byte-level GPT on the embedded stdlib corpus:
 
     ddp, diloco, gasloc (one_peer), gasloc + overlap, and on clustered networks gasloc with
-    bandwidth-aware peers (with and without overlap)
+    bandwidth-aware peers: the concentrated schedule (blocking), and the spread schedule (one
+    pair across per round on average) with overlap, in float32 and in bfloat16
 
 DiLoCo runs for ``--rounds`` rounds of H steps; every other method gets 1.5x DiLoCo's tokens.
-Validation runs every round (every H steps for DDP). The simulated clock models the scenario's
+Validation runs every round (every H steps for DDP) and, as in ``gasloc-train``, evaluates the
+average of the replicas (the model a run delivers); the table also shows the final mean of the
+replicas' own losses (``val/loss_local``). The simulated clock models the scenario's
 network with a 1B-parameter fp32 model (the training itself uses the tiny proxy). For each
 method it prints the simulated time at which the validation loss first reaches DiLoCo's final
 loss (linear interpolation between validations; "not reached" when it never does) and the ratio
@@ -35,7 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
-from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy, SimulatedClockCallback
+from gasloc_lightning import DiLoCoStrategy, GASLoCCallback, GASLoCStrategy, SimulatedClockCallback
 from gasloc_lightning.baselines import CpuThreads
 from gasloc_lightning.data import ByteDataModule
 from gasloc_lightning.models.lm import LanguageModel
@@ -48,7 +51,7 @@ WORKERS = 8
 
 
 class ValidationTrace(Callback):
-    """Rank 0 writes (step, sim_time, val/loss) at every validation."""
+    """Rank 0 writes (step, sim_time, val/loss, val/loss_local or None) at every validation."""
 
     def __init__(self, path: str, clock_callback: SimulatedClockCallback | None = None):
         self.path, self.clock_callback, self.points = path, clock_callback, []
@@ -61,8 +64,9 @@ class ValidationTrace(Callback):
     def on_validation_end(self, trainer, pl_module):
         if trainer.sanity_checking or "val/loss" not in trainer.callback_metrics:
             return
-        loss = float(trainer.callback_metrics["val/loss"])
-        self.points.append((trainer.global_step, self._sim_time(trainer), loss))
+        metrics = trainer.callback_metrics
+        local = float(metrics["val/loss_local"]) if "val/loss_local" in metrics else None
+        self.points.append((trainer.global_step, self._sim_time(trainer), float(metrics["val/loss"]), local))
 
     def on_train_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
@@ -80,7 +84,10 @@ def load_network(name: str) -> NetworkModel:
 
 
 def methods(network: NetworkModel, inner_steps: int) -> dict[str, dict]:
-    """name -> strategy factory arguments; bandwidth-aware peers only where there are clusters."""
+    """name -> strategy factory arguments; bandwidth-aware peers only where there are clusters.
+
+    The spread schedule puts one pair across clusters per round on average (slow-link rate 2 / n).
+    """
     uneven = len(set(network.speeds)) > 1
     steps = {"inner_steps": "auto", "fastest_inner_steps": inner_steps} if uneven else {"inner_steps": inner_steps}
     table = {
@@ -90,9 +97,10 @@ def methods(network: NetworkModel, inner_steps: int) -> dict[str, dict]:
         "gasloc+overlap": {"kind": "gasloc", "topology": "one_peer", "overlap": True, **steps},
     }
     if network.num_clusters > 1:
+        spread = {"kind": "gasloc", "topology": "bandwidth_aware", "schedule": "spread", "overlap": True, **steps}
         table["gasloc/bw-aware"] = {"kind": "gasloc", "topology": "bandwidth_aware", **steps}
-        table["gasloc/bw-aware+overlap"] = {"kind": "gasloc", "topology": "bandwidth_aware", "overlap": True,
-                                            **steps}
+        table["gasloc/bw-spread+overlap"] = spread
+        table["gasloc/bw-spread+overlap+bf16"] = {**spread, "message_dtype": "bfloat16"}
     return table
 
 
@@ -104,7 +112,9 @@ def make_strategy(spec: dict, network: NetworkModel):
         return DiLoCoStrategy(**common, **spec)
     if spec.get("topology") == "bandwidth_aware":
         clusters = [network.cluster_of(rank) for rank in range(network.world_size)]
-        spec["topology"] = BandwidthAwareTopology(clusters=clusters)
+        schedule = spec.pop("schedule", "concentrated")
+        rate = 2.0 / network.world_size if schedule == "spread" else 0.2
+        spec["topology"] = BandwidthAwareTopology(clusters=clusters, slow_link_rate=rate, schedule=schedule)
     return GASLoCStrategy(**common, **spec)
 
 
@@ -113,7 +123,8 @@ def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workd
     trace_path = workdir / (name.replace("/", "_").replace("+", "_") + ".json")
     clock = SimulatedClockCallback(network) if spec["kind"] == "ddp" else None
     strategy = DDPStrategy(start_method="fork") if spec["kind"] == "ddp" else make_strategy(spec, network)
-    callbacks = [ValidationTrace(str(trace_path), clock), CpuThreads()] + ([clock] if clock else [])
+    evaluate = [] if clock else [GASLoCCallback(evaluate="consensus", average_at_end=False)]
+    callbacks = [ValidationTrace(str(trace_path), clock), CpuThreads(), *evaluate] + ([clock] if clock else [])
     pl.seed_everything(0)
     model = LanguageModel(model="tiny", warmup_steps=20, max_steps=steps,
                           optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95)))
@@ -131,7 +142,7 @@ def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workd
 def time_to_reach(points: list, target: float) -> float | None:
     """Simulated time of the first validation at or below ``target``, interpolated linearly."""
     previous = None
-    for _, sim_time, loss in points:
+    for _, sim_time, loss, _ in points:
         if loss <= target:
             if previous is None or previous[1] == loss:
                 return sim_time
@@ -141,9 +152,9 @@ def time_to_reach(points: list, target: float) -> float | None:
     return None
 
 
-def run_scenario(name: str, rounds: int, inner_steps: int, workdir: Path) -> list[dict]:
+def run_scenario(name: str, rounds: int, inner_steps: int, workdir: Path, only: list[str] | None = None) -> list[dict]:
     network = load_network(name)
-    table = methods(network, inner_steps)
+    table = {m: spec for m, spec in methods(network, inner_steps).items() if only is None or m in only or m == "diloco"}
     diloco_steps = rounds * inner_steps
     traces = {"diloco": train(table["diloco"], network, diloco_steps, inner_steps, workdir, f"{name}-diloco")}
     target = traces["diloco"][-1][2]
@@ -155,17 +166,21 @@ def run_scenario(name: str, rounds: int, inner_steps: int, workdir: Path) -> lis
     rows = []
     for method, points in traces.items():
         reached = time_to_reach(points, target)
-        rows.append({"scenario": name, "method": method, "final_loss": points[-1][2],
-                     "time_to_target": reached, "ratio": None if reached is None else reached / reference})
+        rows.append({"scenario": name, "method": method, "final_loss": points[-1][2], "final_local_loss": points[-1][3],
+                     "time_to_target": reached, "ratio": None if reached is None else reached / reference,
+                     "trace": points})
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'scenario':<14}{'method':<26}{'final val loss':>15}{'sim s to target':>17}{'vs diloco':>11}")
+    print(f"\n{'scenario':<14}{'method':<31}{'final val loss':>15}{'(local)':>9}{'sim s to target':>17}"
+          f"{'vs diloco':>11}")
     for row in rows:
         reached = "not reached" if row["time_to_target"] is None else f"{row['time_to_target']:.0f}"
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        print(f"{row['scenario']:<14}{row['method']:<26}{row['final_loss']:>15.4f}{reached:>17}{ratio:>11}")
+        local = "-" if row["final_local_loss"] is None else f"{row['final_local_loss']:.4f}"
+        print(f"{row['scenario']:<14}{row['method']:<31}{row['final_loss']:>15.4f}{local:>9}{reached:>17}"
+              f"{ratio:>11}")
 
 
 def main() -> None:
@@ -173,6 +188,8 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--rounds", type=int, default=12, help="DiLoCo's rounds; the others get 1.5x its tokens")
     parser.add_argument("--inner-steps", type=int, default=50, help="H (of the fastest worker)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="run only these methods (DiLoCo, the reference, always runs)")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     start = time.monotonic()
@@ -180,7 +197,7 @@ def main() -> None:
     workdir.mkdir(parents=True)
     rows = []
     for scenario in args.scenarios:
-        rows += run_scenario(scenario, args.rounds, args.inner_steps, workdir)
+        rows += run_scenario(scenario, args.rounds, args.inner_steps, workdir, args.methods)
         print_rows([r for r in rows if r["scenario"] == scenario])
     print(f"\nAll scenarios ({WORKERS} workers, H = {args.inner_steps}, DiLoCo {args.rounds} rounds, others 1.5x "
           f"tokens; wall {time.monotonic() - start:.0f} s):")

@@ -878,6 +878,40 @@ def _bandwidth_aware_partners(
     return tuple(partners), cross
 
 
+@lru_cache(maxsize=16)
+def _spread_partners(
+    members: tuple[tuple[int, ...], ...], cross_pairs: float, seed: int, round_index: int
+) -> tuple[tuple[int, ...], bool]:
+    """A "spread" round: about ``cross_pairs`` pairs across clusters, every other pair inside one.
+
+    k = floor(c) or ceil(c) cross pairs (E[k] = c). Each joins a random unmatched rank of the cluster
+    with the most unmatched ranks (ties broken at random) with a random unmatched rank of another
+    cluster: largest-first keeps k reachable up to the most cross pairs the sizes allow. The rest
+    pair up inside their clusters; an odd remainder leaves one member out.
+    """
+    world_size = sum(map(len, members))
+    rng = random.Random(f"gasloc:bandwidth_aware:spread:{seed}:{world_size}:{round_index}")
+    whole = math.floor(cross_pairs)
+    k = whole + (rng.random() < cross_pairs - whole)
+    groups = [list(group) for group in members]
+    for group in groups:
+        rng.shuffle(group)
+    pairs = []
+    for _ in range(k):
+        order = sorted(range(len(groups)), key=lambda c: (-len(groups[c]), rng.random()))
+        largest, others = order[0], [rank for c in order[1:] for rank in groups[c]]
+        if not groups[largest] or not others:
+            break
+        partner = rng.choice(others)
+        groups[next(c for c in order[1:] if partner in groups[c])].remove(partner)
+        pairs.append((groups[largest].pop(), partner))
+    pairs += [(group[i], group[i + 1]) for group in groups for i in range(0, len(group) - 1, 2)]
+    partners = list(range(world_size))
+    for a, b in pairs:
+        partners[a], partners[b] = b, a
+    return tuple(partners), k > 0
+
+
 class BandwidthAwareTopology(Topology):
     """Random perfect matchings that favour fast links (issue 4, "uneven networks"), w = 1/2.
 
@@ -897,6 +931,13 @@ class BandwidthAwareTopology(Topology):
     A cross round concentrates the slow traffic: a target rate of slow-link use is met with
     as few slow rounds as possible. q = ``slow_link_rate`` / c, with c the share of workers
     a cross round pairs across clusters (``expected_slow_link_rate`` gives the exact rate).
+
+    ``schedule="spread"`` instead puts a few pairs across clusters in every round: c =
+    ``slow_link_rate`` x n / 2 pairs on average (floor(c) or ceil(c), drawn so that the mean is
+    c), every other pair inside a cluster. That suits a *shared* inter-cluster link: four pairs
+    crossing at once take four times as long as one, so a steady load of one crossing pair per
+    round, hidden under the next round's compute with ``overlap=True``, beats a burst. Its
+    spectral gap is estimated from E[W] over 4096 rounds of its own schedule.
 
     Each W is symmetric and doubly stochastic (a matching, w = 1/2), and so positive
     semidefinite; E[W] is connected for any q > 0: fast rounds connect each cluster, and for
@@ -919,6 +960,8 @@ class BandwidthAwareTopology(Topology):
             names); fast links inside a cluster, slow ones across.
         slow_link_rate: target probability, in (0, 1], that a worker's peer in a round is
             across a slow link (averaged over workers), at most c (see above).
+        schedule: ``"concentrated"`` (few rounds, all pairs across) or ``"spread"`` (a few pairs
+            across in every round).
         seed: shared seed of the schedule; every rank must use the same one.
     """
 
@@ -931,9 +974,13 @@ class BandwidthAwareTopology(Topology):
         bandwidth: Sequence[Sequence[float]] | Tensor | None = None,
         clusters: Sequence[Hashable] | None = None,
         slow_link_rate: float = 0.2,
+        schedule: str = "concentrated",
         seed: int = 0,
     ) -> None:
         super().__init__(seed=seed)
+        if schedule not in BANDWIDTH_AWARE_SCHEDULES:
+            raise TopologyError(f"schedule must be one of {BANDWIDTH_AWARE_SCHEDULES}, got {schedule!r}")
+        self._schedule = schedule
         if (bandwidth is None) == (clusters is None):
             raise TopologyError("BandwidthAwareTopology needs exactly one of bandwidth= and clusters=")
         if isinstance(slow_link_rate, bool) or not isinstance(slow_link_rate, numbers.Real) or not (
@@ -954,13 +1001,13 @@ class BandwidthAwareTopology(Topology):
         if len(self._members) > 1 and slow_link_rate > most + 1e-12:
             raise TopologyError(
                 f"slow_link_rate {slow_link_rate} is more than clusters of sizes {self.cluster_sizes} "
-                f"allow: a cross round pairs at most {most:.4g} of the workers across clusters"
+                f"allow: a round pairs at most {most:.4g} of the workers across clusters"
             )
         self._cross_probability = min(1.0, slow_link_rate / most) if len(self._members) > 1 else 0.0
 
     @classmethod
     def from_clusters(
-        cls, sizes: Sequence[int], slow_link_rate: float = 0.2, seed: int = 0
+        cls, sizes: Sequence[int], slow_link_rate: float = 0.2, seed: int = 0, schedule: str = "concentrated"
     ) -> BandwidthAwareTopology:
         """Clusters of the given sizes over consecutive ranks (node-major, as torchrun numbers them).
 
@@ -968,17 +1015,18 @@ class BandwidthAwareTopology(Topology):
             sizes: ranks per cluster, e.g. ``[8, 8]`` for two machines of 8 GPUs.
             slow_link_rate: see the class.
             seed: see the class.
+            schedule: see the class.
         """
         valid = not isinstance(sizes, (str, numbers.Number)) and len(sizes) > 0
         if not valid or not all(_is_index(size) and size > 0 for size in sizes):
             raise TopologyError(f"sizes must be a non-empty list of positive ints, got {sizes!r}")
         labels = [index for index, size in enumerate(sizes) for _ in range(size)]
-        return cls(clusters=labels, slow_link_rate=slow_link_rate, seed=seed)
+        return cls(clusters=labels, slow_link_rate=slow_link_rate, schedule=schedule, seed=seed)
 
     def __repr__(self) -> str:
         return (
             f"BandwidthAwareTopology(cluster_sizes={list(self.cluster_sizes)}, "
-            f"slow_link_rate={self._slow_link_rate}, seed={self.seed})"
+            f"slow_link_rate={self._slow_link_rate}, schedule={self._schedule!r}, seed={self.seed})"
         )
 
     @property
@@ -996,8 +1044,14 @@ class BandwidthAwareTopology(Topology):
         return self._slow_link_rate
 
     @property
+    def schedule(self) -> str:
+        return self._schedule
+
+    @property
     def cross_round_probability(self) -> float:
         """q: the probability that a round pairs across clusters (uses slow links)."""
+        if self._schedule == "spread" and len(self._members) > 1:
+            return min(1.0, self._spread_cross_pairs())
         return self._cross_probability
 
     def is_slow_link(self, i: int, j: int) -> bool:
@@ -1026,19 +1080,33 @@ class BandwidthAwareTopology(Topology):
         return self._round(round_index)[1]
 
     def _round(self, round_index: int) -> tuple[tuple[int, ...], bool]:
+        if self._schedule == "spread":
+            return _spread_partners(self._members, self._spread_cross_pairs(), self.seed, round_index)
         return _bandwidth_aware_partners(self._members, self._cross_probability, self.seed, round_index)
+
+    def _spread_cross_pairs(self) -> float:
+        """c: the mean number of pairs across clusters in a spread round."""
+        return self._slow_link_rate * self._world_size / 2.0 if len(self._members) > 1 else 0.0
 
     def expected_slow_link_rate(self, world_size: int) -> float:
         """Exact probability that a worker's peer in a round is across a slow link, averaged over workers.
 
-        q times the share of workers a cross round pairs across (fast rounds use no slow link).
+        Concentrated: q times the share of workers a cross round pairs across (fast rounds use no
+        slow link). Spread: 2 c / n, which is ``slow_link_rate``.
         """
         self.check_world_size(world_size)
-        return self._cross_probability * self._cross_share() if len(self._members) > 1 else 0.0
+        if len(self._members) == 1:
+            return 0.0
+        if self._schedule == "spread":
+            return 2.0 * self._spread_cross_pairs() / world_size
+        return self._cross_probability * self._cross_share()
 
     def _cross_share(self) -> float:
-        # Expected share of the n workers that a cross round pairs across clusters.
+        # Largest share of the n workers one round can pair across clusters (concentrated: in
+        # expectation over the sitter of an odd n; spread: every pair with the largest cluster).
         sizes, n = self.cluster_sizes, self._world_size
+        if self._schedule == "spread":
+            return 2.0 * min(n // 2, n - max(sizes)) / n
         if n % 2 == 0:
             return 2.0 * _cross_pairs(sizes) / n
         return sum(
@@ -1049,6 +1117,9 @@ class BandwidthAwareTopology(Topology):
     def _spectral_gap(self, world_size: int) -> float:
         if world_size == 1:
             return 1.0
+        if self._schedule == "spread":
+            expected = sum(self.mixing_matrix(world_size, t) for t in range(_SAMPLED_ORDERS)) / _SAMPLED_ORDERS
+            return 1.0 - float(stability.disagreement_eigenvalues(expected).max())
         q = self._cross_probability
         meet = q * self._cross_meetings() + (1.0 - q) * self._fast_meetings()  # (n, n) P(i and j pair up)
         expected = torch.eye(world_size, dtype=_DTYPE) - 0.5 * (torch.diag(meet.sum(dim=1)) - meet)  # E[W]
@@ -1115,6 +1186,8 @@ def _block_orders(present: list[int]) -> list[tuple[int, ...]]:
     rng = random.Random("gasloc:bandwidth_aware:block_orders")
     return [(first, *rng.sample(rest, len(rest))) for _ in range(_SAMPLED_ORDERS)]
 
+
+BANDWIDTH_AWARE_SCHEDULES: tuple[str, ...] = ("concentrated", "spread")
 
 TOPOLOGIES: dict[str, type[Topology]] = {
     cls.name: cls

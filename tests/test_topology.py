@@ -431,12 +431,13 @@ def test_bandwidth_aware_schedule_is_pinned():
     assert partners(topology, 8, 1) == [2, 3, 0, 1, 5, 4, 7, 6]
 
 
+@pytest.mark.parametrize("schedule", ["concentrated", "spread"])
 @pytest.mark.parametrize(
     ("sizes", "rate"), [([4, 4], 0.2), ([3, 3, 2], 0.1), ([5, 2], 0.25), ([3, 3, 3], 0.2), ([4, 4], 1.0)]
 )
-def test_bandwidth_aware_uses_slow_links_at_the_expected_rate(sizes, rate):
+def test_bandwidth_aware_uses_slow_links_at_the_expected_rate(sizes, rate, schedule):
     n, rounds = sum(sizes), 2000
-    topology = BandwidthAwareTopology.from_clusters(sizes, slow_link_rate=rate, seed=11)
+    topology = BandwidthAwareTopology.from_clusters(sizes, slow_link_rate=rate, seed=11, schedule=schedule)
     expected = topology.expected_slow_link_rate(n)
     assert expected == pytest.approx(rate)
     def slow_share(t: int) -> float:
@@ -472,13 +473,50 @@ def test_bandwidth_aware_singletons_lower_the_default():
     assert gamma == pytest.approx(0.66, abs=0.03) and topology.consensus_rate(6, gamma) < 1.0
 
 
+@pytest.mark.parametrize(("sizes", "rate"), [([4, 4], 0.25), ([4, 4], 0.3), ([3, 3, 2], 0.2), ([4, 2, 2], 0.5),
+                                             ([5, 2], 4 / 7), ([1, 1, 6], 0.5)])
+def test_bandwidth_aware_spread_rounds_hold_floor_or_ceil_cross_pairs(sizes, rate):
+    """Every spread round is a matching with floor(c) or ceil(c) pairs across (c = rate n / 2), the rest inside."""
+    n = sum(sizes)
+    topology = BandwidthAwareTopology.from_clusters(sizes, slow_link_rate=rate, seed=3, schedule="spread")
+    c = rate * n / 2
+    counts = []
+    for t in range(300):
+        W = topology.mixing_matrix(n, t)
+        torch.testing.assert_close(W, W.T, rtol=0, atol=0)
+        torch.testing.assert_close(W.sum(dim=1), torch.ones(n, dtype=torch.float64), rtol=0, atol=0)
+        peers = partners(topology, n, t)
+        assert all(p is None or peers[p] == i for i, p in enumerate(peers))
+        across = sum(p is not None and topology.is_slow_link(i, p) for i, p in enumerate(peers)) // 2
+        assert across in {math.floor(c + 1e-9), math.ceil(c - 1e-9)}
+        assert topology.is_cross_round(t) == (across > 0)
+        # inside each cluster, everyone left over pairs up but for one member of an odd remainder
+        for members in topology.clusters:
+            idle = [r for r in members if peers[r] is None]
+            assert len(idle) <= 1
+        counts.append(across)
+    assert sum(counts) / len(counts) == pytest.approx(c, abs=0.1)
+    gap = topology.spectral_gap(n)
+    assert 0.0 < gap < 1.0  # connected in expectation
+
+
+def test_bandwidth_aware_spread_schedule_is_pinned():
+    topology = BandwidthAwareTopology.from_clusters([4, 4], slow_link_rate=0.25, schedule="spread")
+    assert partners(topology, 8, 0) == [None, 7, 3, 2, 5, 4, None, 1]
+    assert partners(topology, 8, 1) == [1, 0, 7, None, 5, 4, None, 2]
+    assert topology.expected_slow_link_rate(8) == 0.25 and topology.cross_round_probability == 1.0
+    assert topology.consensus_rate(8, 0.9, overlap=True) < 1.0
+
+
 def test_bandwidth_aware_two_clusters_exact_values():
     """Two equal clusters: cross rounds pair everyone across, so q = slow_link_rate and the gap is q."""
     topology = BandwidthAwareTopology.from_clusters([4, 4], slow_link_rate=0.2)
     assert topology.cross_round_probability == pytest.approx(0.2)
     assert topology.spectral_gap(8) == pytest.approx(0.2)  # the cluster-mean mode contracts by 1 - q
     assert topology.clusters == ((0, 1, 2, 3), (4, 5, 6, 7))
-    assert repr(topology) == "BandwidthAwareTopology(cluster_sizes=[4, 4], slow_link_rate=0.2, seed=0)"
+    assert repr(topology) == (
+        "BandwidthAwareTopology(cluster_sizes=[4, 4], slow_link_rate=0.2, schedule='concentrated', seed=0)"
+    )
 
 
 def test_bandwidth_matrix_clusters():
@@ -510,6 +548,8 @@ def test_bandwidth_matrix_clusters():
         ({"clusters": [0, 0, 1, 1], "slow_link_rate": float("nan")}, "slow_link_rate"),
         ({"clusters": [0, 0, 0, 0, 0, 0, 1, 1], "slow_link_rate": 0.9}, "at most 0.5"),
         ({"clusters": [0, 1], "seed": "0"}, "seed"),
+        ({"clusters": [0, 0, 1, 1], "schedule": "bursty"}, "schedule must be one of"),
+        ({"clusters": [0, 0, 0, 0, 0, 0, 1, 1], "slow_link_rate": 0.6, "schedule": "spread"}, "at most 0.5"),
     ],
 )
 def test_bandwidth_aware_validation(kwargs, match):
