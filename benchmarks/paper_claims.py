@@ -288,7 +288,7 @@ def plan(claims: Sequence[Claim], args: argparse.Namespace, tuned: dict[str, Any
                 jobs, directory = grid_size(cell, budget.workers), args.out / "tune" / claim.key / cell.name
             else:
                 extra += ["sweep=paper_seeds", "seed=" + ",".join(map(str, args.seeds))]
-                extra += tuned.get(cell.name, {}).get("overrides", [])
+                extra += tuned_for(cell, tuned)
                 jobs, directory = len(args.seeds), args.out / claim.key / cell.name
             validations = budget.steps // cfg.trainer.val_check_interval
             estimate = None if args.scale == "gpu" else (
@@ -407,6 +407,14 @@ def claim_report(claim: Claim, out: Path) -> str:
 
 
 # ------------------------------------------------------------------ tuning results
+def tuned_for(cell: Cell, tuned: dict[str, Any]) -> list[str]:
+    """A cell's tuned overrides: its own, else those tuned for the same method and H on another graph."""
+    if cell.name in tuned:
+        return tuned[cell.name]["overrides"]
+    siblings = [name for name in tuned if name == replace(cell, topology=tuned[name].get("topology")).name]
+    return tuned[siblings[0]]["overrides"] if siblings else []
+
+
 def _job_overrides(run_dir: Path, keys: Sequence[str]) -> list[str]:
     overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
     return [o for o in overrides if o.split("=", 1)[0] in keys]
@@ -423,7 +431,7 @@ def select_tuned(launches: Sequence[Launch]) -> dict[str, Any]:
         keys = [k for k in sweep_grid(launch.cell.tuning_sweep) if k != "seed"]
         chosen[launch.cell.name] = {
             "overrides": _job_overrides(Path(best["run_dir"]), keys), "val_loss": best["final"]["val_loss"],
-            "sweep": launch.cell.tuning_sweep, "jobs": len(runs), "seed": 0,
+            "sweep": launch.cell.tuning_sweep, "jobs": len(runs), "seed": 0, "topology": launch.cell.topology,
         }
     return chosen
 
@@ -440,6 +448,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a smoke run: 4 workers, 4 steps, fewer methods")
     parser.add_argument("--tune", action="store_true", help="run the tuning sweeps on seed 0, write tuned.json")
     parser.add_argument("--tuned", type=Path, help="a tuned.json: each method's tuned overrides")
+    parser.add_argument("--cells", nargs="+", default=None,
+                        help="only these cells (e.g. gasloc-one_peer-h50 diloco-h50); default: every cell")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and the estimate only")
     parser.add_argument("--report-only", action="store_true", help="print the tables of finished runs in --out")
     return parser
@@ -477,6 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     tuned = json.loads(args.tuned.read_text())["cells"] if args.tuned else {}
     launches = plan(claims, args, tuned, CostModel())
+    if args.cells:
+        launches = [launch for launch in launches if launch.cell.name in args.cells]
     print_plan(launches, args)
     if args.dry_run:
         return 0

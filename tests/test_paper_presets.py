@@ -211,10 +211,24 @@ def test_tuning_picks_the_best_job_on_seed_0_and_the_claims_run_with_it(tmp_path
     launch = pc.Launch("a", cell, directory, [], 3, None, None)
     chosen = pc.select_tuned([launch])
     assert chosen == {cell.name: {"overrides": ["model.optimizer.lr=0.006", "model.optimizer.betas=[0.9,0.95]"],
-                                  "val_loss": 2.1, "sweep": "tune_inner", "jobs": 3, "seed": 0}}
+                                  "val_loss": 2.1, "sweep": "tune_inner", "jobs": 3, "seed": 0, "topology": "ring"}}
     tuned = tmp_path / "tuned.json"
     tuned.write_text(json.dumps({"cells": chosen}))
     assert pc.main(["--dry-run", "--claims", "a", "--tuned", str(tuned), "--out", str(tmp_path / "out")]) == 0
-    command = next(line for line in capsys.readouterr().out.splitlines() if "strategy=gossip topology=ring" in line)
+    lines = capsys.readouterr().out.splitlines()
     tuned_values = "seed=1,2,3 model.optimizer.lr=0.006 model.optimizer.betas=[0.9,0.95]"
-    assert command.split(" hydra.sweep.dir=")[0].endswith(tuned_values)
+    # Tuned on the ring, applied to gossip on every graph at the same H; other methods keep their presets.
+    for graph in ("ring", "one_peer", "exponential"):
+        command = next(line for line in lines if f"strategy=gossip topology={graph} " in line)
+        assert command.split(" hydra.sweep.dir=")[0].endswith(tuned_values)
+    gasloc = next(line for line in lines if "strategy=gasloc topology=ring " in line)
+    assert gasloc.split(" hydra.sweep.dir=")[0].endswith("seed=1,2,3")
+
+
+def test_cells_option_keeps_only_the_named_cells(tmp_path, capsys):
+    names = ["gasloc-one_peer-h50", "diloco-h50"]
+    assert pc.main(["--dry-run", "--tune", "--cells", *names, "--out", str(tmp_path)]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("$")]
+    assert len(commands) == 2
+    assert "strategy=gasloc topology=one_peer" in commands[0] and "experiment=paper_h50" in commands[0]
+    assert "strategy=diloco" in commands[1] and "sweep=tune_outer" in commands[1]
