@@ -119,6 +119,16 @@ class GASLoCStrategy(LocalStepsStrategy):
     def outer_state(self) -> OuterState | None:
         return self._outer
 
+    @property
+    def overlap(self) -> bool:
+        """Whether each exchange overlaps the next round (folded in one round late)."""
+        return self._overlap
+
+    @property
+    def message_dtype(self) -> torch.dtype:
+        """The dtype of the points on the wire."""
+        return self._wire_dtype
+
     @override
     def check_configuration(self, world_size: int) -> None:
         """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
-from hydra.utils import get_object
+from hydra.utils import get_object, instantiate
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
@@ -186,3 +187,16 @@ def test_text_data_without_a_path_says_which_key(tmp_path):
     cfg = compose_config(["data=text"], output_dir=tmp_path)
     with pytest.raises(MissingMandatoryValue, match="source"):
         train(cfg)
+
+
+def test_two_cluster_scenario_builds_the_documented_gasloc(tmp_path):
+    """The overrides its comment gives: spread bandwidth-aware peers, overlap, bf16 messages, gamma 0.7."""
+    text = (CONF / "experiment" / "scenario_two_clusters.yaml").read_text()
+    documented = "strategy.message_dtype=bfloat16 strategy.outer_momentum=0.7"
+    assert documented in text
+    cfg = compose_config(["experiment=scenario_two_clusters", *documented.split()], output_dir=tmp_path)
+    strategy = instantiate(cfg.strategy)
+    assert strategy.topology.schedule == "spread" and strategy.topology.cluster_sizes == (4, 4)
+    assert strategy.topology.expected_slow_link_rate(8) == 0.25
+    assert strategy.outer_momentum == 0.7
+    assert (strategy.overlap, strategy.message_dtype) == (True, torch.bfloat16)
