@@ -137,10 +137,23 @@ class AdamWSchema:
 
 
 @dataclass
+class SGDSchema:
+    """SGD as the inner optimizer (e.g. gossip SGD), a partial like :class:`AdamWSchema`."""
+
+    _target_: str = "torch.optim.SGD"
+    _partial_: bool = True
+    lr: float = 0.1
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
 class LanguageModelSchema:
     _target_: str = "gasloc_lightning.models.LanguageModel"
     model: GPTSchema = field(default_factory=GPTSchema)
-    optimizer: AdamWSchema = field(default_factory=AdamWSchema)
+    optimizer: Any = MISSING  # the model/optimizer group: AdamWSchema or SGDSchema
     warmup_steps: int = 0
     max_steps: Optional[int] = None  # null: the trainer's max_steps
     min_lr_ratio: float = 0.1
@@ -218,6 +231,8 @@ _SCHEMAS: dict[tuple[str, str], type] = {
     ("schema/topology", "topology"): TopologySchema,
     ("schema/topology", "bandwidth_aware"): BandwidthAwareTopologySchema,
     ("schema/model", "language_model"): LanguageModelSchema,
+    ("schema/optimizer", "adamw"): AdamWSchema,
+    ("schema/optimizer", "sgd"): SGDSchema,
     ("schema/data", "bytes"): ByteDataSchema,
     ("schema/trainer", "trainer"): TrainerSchema,
 }

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel
 from app_utils import CONF, EXPERIMENTS, compose_config
 from gasloc_lightning.train import Budget, check_budget, train
 
-GROUPS = ("strategy", "topology", "network", "model", "data", "trainer", "logger", "callbacks", "sweep")
+GROUPS = ("strategy", "topology", "network", "model", "model/optimizer", "data", "trainer", "logger", "callbacks",
+          "sweep")
 
 
 def _options(group: str) -> list[str]:
@@ -200,3 +201,15 @@ def test_two_cluster_scenario_builds_the_documented_gasloc(tmp_path):
     assert strategy.topology.expected_slow_link_rate(8) == 0.25
     assert strategy.outer_momentum == 0.7
     assert (strategy.overlap, strategy.message_dtype) == (True, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("option", "cls"), [("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)])
+def test_inner_optimizer_option_builds_that_optimizer_with_the_models_lr(option, cls, tmp_path):
+    """model/optimizer=sgd with strategy=gossip is gossip SGD; every key is a constructor argument."""
+    cfg = compose_config(["strategy=gossip", f"model/optimizer={option}", "model.optimizer.lr=0.25"],
+                         output_dir=tmp_path)
+    keys = {k for k in cfg.model.optimizer if not k.startswith("_")}
+    assert keys <= set(inspect.signature(cls).parameters)
+    optimizer = instantiate(cfg.model).configure_optimizers()["optimizer"]
+    assert type(optimizer) is cls and optimizer.defaults["lr"] == 0.25
+    assert (cfg.strategy.inner_steps, cfg.strategy.outer_lr, cfg.strategy.outer_momentum) == (1, 1.0, 0.0)
