@@ -113,31 +113,33 @@ def methods(network: NetworkModel, inner_steps: int, overlap_momentum: float | N
     return table
 
 
-def make_strategy(spec: dict, network: NetworkModel):
+def make_strategy(spec: dict, network: NetworkModel, seed: int = 0):
     spec = dict(spec)
     kind = spec.pop("kind")
-    common = {"start_method": "fork", "network": network, "gossip_timeout": 600.0, "consensus_every": 0}
+    common = {"start_method": "fork", "network": network, "gossip_timeout": 600.0, "consensus_every": 0, "seed": seed}
     if kind == "diloco":
         return DiLoCoStrategy(**common, **spec)
     if spec.get("topology") == "bandwidth_aware":
         clusters = [network.cluster_of(rank) for rank in range(network.world_size)]
         schedule = spec.pop("schedule", "concentrated")
         rate = 2.0 / network.world_size if schedule == "spread" else 0.2
-        spec["topology"] = BandwidthAwareTopology(clusters=clusters, slow_link_rate=rate, schedule=schedule)
+        spec["topology"] = BandwidthAwareTopology(clusters=clusters, slow_link_rate=rate, schedule=schedule, seed=seed)
     return GASLoCStrategy(**common, **spec)
 
 
-def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workdir: Path, name: str) -> list:
+def train(spec: dict, network: NetworkModel, steps: int, inner_steps: int, workdir: Path, name: str,
+          seed: int = 0) -> list:
+    """One run; ``seed`` sets the initial weights, the data order and the peers' schedule."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     trace_path = workdir / (name.replace("/", "_").replace("+", "_") + ".json")
     clock = SimulatedClockCallback(network) if spec["kind"] == "ddp" else None
-    strategy = DDPStrategy(start_method="fork") if spec["kind"] == "ddp" else make_strategy(spec, network)
+    strategy = DDPStrategy(start_method="fork") if spec["kind"] == "ddp" else make_strategy(spec, network, seed)
     evaluate = [] if clock else [GASLoCCallback(evaluate="consensus", average_at_end=False)]
     callbacks = [ValidationTrace(str(trace_path), clock), CpuThreads(), *evaluate] + ([clock] if clock else [])
-    pl.seed_everything(0)
+    pl.seed_everything(seed)
     model = LanguageModel(model="tiny", warmup_steps=20, max_steps=steps,
                           optimizer=lambda groups: torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95)))
-    data = ByteDataModule(source="stdlib", block_size=64, batch_size=16, val_batches=4,
+    data = ByteDataModule(source="stdlib", block_size=64, batch_size=16, val_batches=4, seed=seed,
                           cache_dir=workdir.parent / "cache")
     trainer = pl.Trainer(accelerator="cpu", devices=WORKERS, strategy=strategy, max_steps=steps,
                          val_check_interval=inner_steps, check_val_every_n_epoch=None, num_sanity_val_steps=0,
@@ -163,37 +165,38 @@ def time_to_reach(points: list, target: float) -> float | None:
 
 def run_scenario(
     name: str, rounds: int, inner_steps: int, workdir: Path, only: list[str] | None = None,
-    overlap_momentum: float | None = None,
+    overlap_momentum: float | None = None, seed: int = 0,
 ) -> list[dict]:
     network = load_network(name)
     table = {m: spec for m, spec in methods(network, inner_steps, overlap_momentum).items()
              if only is None or m in only or m == "diloco"}
     diloco_steps = rounds * inner_steps
-    traces = {"diloco": train(table["diloco"], network, diloco_steps, inner_steps, workdir, f"{name}-diloco")}
+    traces = {"diloco": train(table["diloco"], network, diloco_steps, inner_steps, workdir, f"{name}-{seed}-diloco",
+                              seed)}
     target = traces["diloco"][-1][2]
     longer = math.ceil(1.5 * diloco_steps / inner_steps) * inner_steps
     for method, spec in table.items():
         if method != "diloco":
-            traces[method] = train(spec, network, longer, inner_steps, workdir, f"{name}-{method}")
+            traces[method] = train(spec, network, longer, inner_steps, workdir, f"{name}-{seed}-{method}", seed)
     reference = time_to_reach(traces["diloco"], target)
     rows = []
     for method, points in traces.items():
         reached = time_to_reach(points, target)
-        rows.append({"scenario": name, "method": method, "final_loss": points[-1][2], "final_local_loss": points[-1][3],
+        rows.append({"scenario": name, "seed": seed, "method": method, "final_loss": points[-1][2], "final_local_loss": points[-1][3],
                      "time_to_target": reached, "ratio": None if reached is None else reached / reference,
                      "trace": points})
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'scenario':<14}{'method':<31}{'final val loss':>15}{'(local)':>9}{'sim s to target':>17}"
+    print(f"\n{'scenario':<14}{'seed':>5} {'method':<31}{'final val loss':>15}{'(local)':>9}{'sim s to target':>17}"
           f"{'vs diloco':>11}")
     for row in rows:
         reached = "not reached" if row["time_to_target"] is None else f"{row['time_to_target']:.0f}"
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
         local = "-" if row["final_local_loss"] is None else f"{row['final_local_loss']:.4f}"
-        print(f"{row['scenario']:<14}{row['method']:<31}{row['final_loss']:>15.4f}{local:>9}{reached:>17}"
-              f"{ratio:>11}")
+        print(f"{row['scenario']:<14}{row['seed']:>5} {row['method']:<31}{row['final_loss']:>15.4f}{local:>9}"
+              f"{reached:>17}{ratio:>11}")
 
 
 def main() -> None:
@@ -203,6 +206,8 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=50, help="H (of the fastest worker)")
     parser.add_argument("--overlap-momentum", type=float, default=OVERLAP_MOMENTUM,
                         help=f"gamma of the overlapped methods (default {OVERLAP_MOMENTUM}, tuned; -1: topology default)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0],
+                        help="seeds (weights, data order, peers); gamma of the overlapped methods was chosen on 0")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="run only these methods (DiLoCo, the reference, always runs)")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
@@ -213,7 +218,9 @@ def main() -> None:
     workdir.mkdir(parents=True)
     rows = []
     for scenario in args.scenarios:
-        rows += run_scenario(scenario, args.rounds, args.inner_steps, workdir, args.methods, args.overlap_momentum)
+        for seed in args.seeds:
+            rows += run_scenario(scenario, args.rounds, args.inner_steps, workdir, args.methods, args.overlap_momentum,
+                                 seed)
         print_rows([r for r in rows if r["scenario"] == scenario])
     print(f"\nAll scenarios ({WORKERS} workers, H = {args.inner_steps}, DiLoCo {args.rounds} rounds, others 1.5x "
           f"tokens; wall {time.monotonic() - start:.0f} s):")
