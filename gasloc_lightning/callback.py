@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from gasloc_lightning.network import NetworkModel, SimulatedClock
+from gasloc_lightning.network import NetworkModel, SimulatedClock, Throttle
 from gasloc_lightning.rounds import LocalStepsStrategy
 
 log = logging.getLogger(__name__)
@@ -173,6 +173,7 @@ class SimulatedClockCallback(Callback):
             raise ValueError(f"network must be a NetworkModel or None, got {type(network).__name__}")
         self.network = network
         self.clock: SimulatedClock | None = None
+        self.throttle: Throttle | None = None  # sleeps for the network's ``throttle``, if any
         self._last_step = 0
 
     @override
@@ -181,6 +182,7 @@ class SimulatedClockCallback(Callback):
             return  # no network, or a strategy that keeps its own clock
         self.network.check_world_size(trainer.world_size)
         self.clock = SimulatedClock(self.network, rank=trainer.global_rank)
+        self.throttle = Throttle(self.clock, self.network.throttle)
         self._last_step = trainer.global_step
 
     @override
@@ -190,6 +192,7 @@ class SimulatedClockCallback(Callback):
         for _ in range(trainer.global_step - self._last_step):
             self.clock.ddp_step()
         self._last_step = trainer.global_step
+        self.throttle()
         pl_module.log("sim_time", self.clock.time, on_step=True, on_epoch=False, rank_zero_only=True)
 
     @override
@@ -200,4 +203,5 @@ class SimulatedClockCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.clock is not None and state_dict.get("clock") is not None:
             self.clock.load_state_dict(state_dict["clock"])
+            self.throttle = Throttle(self.clock, self.network.throttle)  # sleep only for what follows
             self._last_step = state_dict["last_step"]

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 # Bytes per second in one Gbit/s.
@@ -81,6 +82,9 @@ class NetworkModel:
         bytes_per_parameter: bytes of one parameter in the messages (default 4, fp32).
         step_time_s: modelled inner-step time at speed 1.0 (default 0.5 s, see
             ``DEFAULT_STEP_TIME_S``).
+        throttle: real seconds each worker sleeps per simulated second it spends off compute
+            (communicating, or waiting for peers), >= 0. 0 (the default) never sleeps; 1 makes a
+            run feel the modelled network in real time; e.g. 0.01 for a demo. See :class:`Throttle`.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class NetworkModel:
         model_parameters: int = DEFAULT_MODEL_PARAMETERS,
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
+        throttle: float = 0.0,
     ) -> None:
         k = len(_rows("bandwidth_gbps", bandwidth_gbps))
         self._clusters = _cluster_assignment(clusters, k)
@@ -103,6 +108,7 @@ class NetworkModel:
         self._model_parameters = _positive_int("model_parameters", model_parameters)
         self._bytes_per_parameter = _positive_int("bytes_per_parameter", bytes_per_parameter)
         self._step_time_s = _positive_finite("step_time_s", step_time_s)
+        self._throttle = _non_negative("throttle", throttle)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -116,6 +122,7 @@ class NetworkModel:
         model_parameters: int = DEFAULT_MODEL_PARAMETERS,
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
+        throttle: float = 0.0,
     ) -> NetworkModel:
         """Every pair of the n workers joined by the same link; one cluster.
 
@@ -123,7 +130,7 @@ class NetworkModel:
             world_size: n, >= 1.
             bandwidth_gbps: every link's bandwidth, Gbit/s, > 0.
             latency_s: every link's latency, seconds, >= 0.
-            speeds, model_parameters, bytes_per_parameter, step_time_s: as for the class.
+            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle: as for the class.
         """
         n = _positive_int("world_size", world_size)
         return cls(
@@ -134,6 +141,7 @@ class NetworkModel:
             model_parameters=model_parameters,
             bytes_per_parameter=bytes_per_parameter,
             step_time_s=step_time_s,
+            throttle=throttle,
         )
 
     @classmethod
@@ -151,6 +159,7 @@ class NetworkModel:
         model_parameters: int = DEFAULT_MODEL_PARAMETERS,
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
+        throttle: float = 0.0,
     ) -> NetworkModel:
         """Workers in k clusters (data centres): fast links inside, slower ones between.
 
@@ -166,7 +175,7 @@ class NetworkModel:
             sizes: ranks per cluster, each >= 1.
             assignment: cluster index of every rank, using every index in [0, k).
             world_size: n, optional; when given it must equal the number of ranks described.
-            speeds, model_parameters, bytes_per_parameter, step_time_s: as for the class.
+            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle: as for the class.
         """
         members = _membership(sizes, assignment, world_size)
         k = max(members) + 1
@@ -180,6 +189,7 @@ class NetworkModel:
             model_parameters=model_parameters,
             bytes_per_parameter=bytes_per_parameter,
             step_time_s=step_time_s,
+            throttle=throttle,
         )
 
     @classmethod
@@ -192,6 +202,7 @@ class NetworkModel:
         model_parameters: int = DEFAULT_MODEL_PARAMETERS,
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
+        throttle: float = 0.0,
     ) -> NetworkModel:
         """A dedicated link per pair of workers, from n x n symmetric matrices (diagonal ignored).
 
@@ -200,7 +211,7 @@ class NetworkModel:
         Args:
             bandwidth_gbps: n x n, Gbit/s, > 0 off the diagonal.
             latency_s: n x n, seconds, >= 0 off the diagonal.
-            speeds, model_parameters, bytes_per_parameter, step_time_s: as for the class.
+            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle: as for the class.
         """
         return cls(
             bandwidth_gbps=bandwidth_gbps,
@@ -209,6 +220,7 @@ class NetworkModel:
             model_parameters=model_parameters,
             bytes_per_parameter=bytes_per_parameter,
             step_time_s=step_time_s,
+            throttle=throttle,
         )
 
     def __repr__(self) -> str:
@@ -247,6 +259,11 @@ class NetworkModel:
     def step_time_s(self) -> float:
         """Modelled inner-step time at speed 1.0."""
         return self._step_time_s
+
+    @property
+    def throttle(self) -> float:
+        """Real seconds slept per simulated second off compute (0: never)."""
+        return self._throttle
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError`` unless the model describes exactly ``world_size`` workers (call before training)."""
@@ -574,6 +591,36 @@ class SimulatedClock:
             ready = max(start, _finite(f"peer_clocks[{peer}]", clock))
             end = max(end, ready + self._network.pairwise_time(self._rank, peer, size, flows[pair]))
         return end
+
+
+class Throttle:
+    """Optional real throttling, for demos: sleep for the modelled time a clock spends off compute.
+
+    Each call sleeps ``scale`` x the growth, since the last call, of ``clock.time -
+    clock.compute_time``: the simulated seconds this worker spent communicating or waiting for
+    slower peers. Compute is not slept (the proxy model computes for real), nor is a transfer
+    that overlap hid under compute. ``scale`` 0 never sleeps.
+
+    Args:
+        clock: the worker's simulated clock.
+        scale: real seconds per simulated second, >= 0 (``NetworkModel.throttle``).
+        sleep: the sleeping function (``time.sleep``; tests pass a recorder).
+    """
+
+    def __init__(self, clock: SimulatedClock, scale: float, sleep: Callable[[float], None] = time.sleep) -> None:
+        self._clock, self._scale, self._sleep = clock, _non_negative("scale", scale), sleep
+        self._seen = clock.time - clock.compute_time
+        self.slept = 0.0  # real seconds asked of ``sleep`` so far
+
+    def __call__(self) -> float:
+        """Sleep for the new time off compute; returns the real seconds slept now."""
+        off_compute = self._clock.time - self._clock.compute_time
+        seconds = self._scale * max(0.0, off_compute - self._seen)
+        self._seen = off_compute
+        if seconds > 0.0:
+            self._sleep(seconds)
+            self.slept += seconds
+        return seconds
 
 
 def round_pairs(topology: _HasMixingWeights, world_size: int, round_index: int) -> list[Pair]:

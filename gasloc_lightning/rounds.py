@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from gasloc_lightning import checkpoint as ckpt
-from gasloc_lightning.network import NetworkModel, SimulatedClock
+from gasloc_lightning.network import NetworkModel, SimulatedClock, Throttle
 from gasloc_lightning.transport import FlatLayout, GossipTransport, all_finite
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class LocalStepsStrategy(DDPStrategy):
         self._network = network
         self._fastest_inner_steps = fastest_inner_steps
         self._clock: SimulatedClock | None = None
+        self._throttle: Throttle | None = None
         self._gossip_timeout = float(gossip_timeout)
         self._collective_timeout = float(collective_timeout)
         self._consensus_every = consensus_every
@@ -204,6 +205,11 @@ class LocalStepsStrategy(DDPStrategy):
     def sim_time(self) -> float | None:
         """This worker's simulated clock, in seconds (None without a network model)."""
         return self._clock.time if self._clock is not None else None
+
+    @property
+    def throttled_seconds(self) -> float:
+        """Real seconds slept so far for the network's ``throttle`` (0 without one)."""
+        return self._throttle.slept if self._throttle is not None else 0.0
 
     @property
     def ranks_per_worker(self) -> int:
@@ -294,6 +300,7 @@ class LocalStepsStrategy(DDPStrategy):
             self._move_sigterm_check_to_round_boundaries(trainer)
             if self._network is not None:
                 self._clock = SimulatedClock(self._network, rank=self.worker_index)
+                self._throttle = Throttle(self._clock, self._network.throttle)
         self._attach_callback(trainer)
 
     def _move_sigterm_check_to_round_boundaries(self, trainer: pl.Trainer) -> None:
@@ -440,6 +447,8 @@ class LocalStepsStrategy(DDPStrategy):
     def end_round(self) -> None:
         """Run the communication round now (every rank must call this at the same step)."""
         self._communicate()
+        if self._throttle is not None:
+            self._throttle()
         self._round_index += 1
         self._steps_in_round = 0
         if self._consensus_every and self._round_index % self._consensus_every == 0:
@@ -452,6 +461,8 @@ class LocalStepsStrategy(DDPStrategy):
         if ran:
             self.end_round()
         self._flush_exchanges()
+        if self._throttle is not None:
+            self._throttle()
         return ran
 
     def _communicate(self) -> None:
@@ -596,6 +607,7 @@ class LocalStepsStrategy(DDPStrategy):
         self._rejected_exchanges = int(state.get("rejected_exchanges", 0))
         if self._clock is not None and state.get("clock") is not None:
             self._clock.load_state_dict(state["clock"])
+            self._throttle = Throttle(self._clock, self._network.throttle)  # sleep only for what follows
         if self._transport and state.get("counters"):
             self._transport.counters.load_state_dict(state["counters"])
 

@@ -104,6 +104,7 @@ class RecordParameters(Callback):
         self._record["after_fit"] = flat_parameters(pl_module)
         self._record["rounds_at_fit_end"] = trainer.strategy.round_index
         self._record["sim_time_at_fit_end"] = trainer.strategy.sim_time
+        self._record["throttled_seconds"] = trainer.strategy.throttled_seconds
         torch.save(self._record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 

@@ -6,7 +6,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from gasloc_lightning.network import NetworkModel, SimulatedClock, round_pairs
+from gasloc_lightning.network import NetworkModel, SimulatedClock, Throttle, round_pairs
 from gasloc_lightning.topology import OnePeerTopology, TwoPeerTopology
 
 N = 4e9  # the default modelled message: 1e9 parameters x 4 bytes (fp32)
@@ -316,3 +316,32 @@ def test_built_from_a_yaml_node():
     network = instantiate(node)
     assert network.all_reduce_time(N) == pytest.approx(32.546)
     assert network.step_time(7) == 1.0
+
+
+def test_throttle_sleeps_scale_times_the_time_off_compute():
+    network = NetworkModel.uniform(world_size=2, bandwidth_gbps=8.0, latency_s=0.5, model_parameters=250_000_000,
+                                   bytes_per_parameter=4, step_time_s=1.0, throttle=0.01)  # 1 GB: 1 s + 0.5 s
+    clock, slept = SimulatedClock(network, rank=0), []
+    throttle = Throttle(clock, network.throttle, sleep=slept.append)
+    clock.advance_compute(2)
+    assert throttle() == 0.0 and slept == []  # compute is never slept
+    clock.exchange(peer_clocks={1: 2.0}, pairs=[(0, 1)])
+    assert clock.time == pytest.approx(3.5)
+    assert throttle() == pytest.approx(0.015) and slept == [pytest.approx(0.015)]
+    # Overlapped: posted, then 1 s of compute hides 1 of its 1.5 s; only 0.5 s is slept for.
+    clock.post_exchange()
+    clock.advance_compute(1)
+    clock.complete_exchange(peer_clocks={1: 3.5}, pairs=[(0, 1)])
+    assert throttle() == pytest.approx(0.005) and throttle.slept == pytest.approx(0.02)
+    clock.advance_compute(1)
+    assert throttle() == 0.0 and len(slept) == 2
+
+
+def test_throttle_off_never_sleeps_and_must_not_be_negative():
+    network = NetworkModel.uniform(world_size=2, bandwidth_gbps=1.0, latency_s=0.1)
+    clock = SimulatedClock(network, rank=0)
+    throttle = Throttle(clock, network.throttle, sleep=lambda s: pytest.fail("slept"))
+    clock.exchange(peer_clocks={1: 0.0}, pairs=[(0, 1)])
+    assert network.throttle == 0.0 and throttle() == 0.0
+    with pytest.raises(ValueError, match="throttle"):
+        NetworkModel.uniform(world_size=2, bandwidth_gbps=1.0, latency_s=0.1, throttle=-1.0)

@@ -155,6 +155,20 @@ def test_diloco_clock_is_the_max_plus_an_all_reduce(tmp_path, fresh_port):
         assert record["sim_time_at_fit_end"] == pytest.approx(3 * per_round, rel=1e-12)
 
 
+def test_throttle_sleeps_for_the_modelled_time_off_compute(tmp_path, fresh_port):
+    """DiLoCo, 3 rounds of 3 steps: rank 1 (speed 1) waits for rank 0 (speed 0.5), then both all-reduce."""
+    from gasloc_lightning import DiLoCoStrategy
+
+    network = NetworkModel.uniform(world_size=2, bandwidth_gbps=10.0, latency_s=0.001, speeds=[0.5, 1.0],
+                                   model_parameters=1_000_000, throttle=1e-3)
+    records = run(tmp_path, DiLoCoStrategy(inner_steps=3, start_method="fork", network=network), devices=2)
+    for rank, record in enumerate(records):
+        off_compute = record["sim_time_at_fit_end"] - 9 * network.step_time(rank)
+        assert off_compute > 0
+        assert record["throttled_seconds"] == pytest.approx(1e-3 * off_compute, rel=1e-9)
+    assert records[1]["throttled_seconds"] > records[0]["throttled_seconds"]  # the fast one also waits
+
+
 def test_network_of_the_wrong_size_fails_before_training():
     with pytest.raises(ValueError, match="world"):
         pl.Trainer(accelerator="cpu", devices=2, logger=False,
