@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -226,7 +228,6 @@ class SleepOnRank(Callback):
         self.exit_code, self.during_validation = exit_code, during_validation
 
     def _act(self):
-        import time
         if self.exit_code is not None:
             os._exit(self.exit_code)
         time.sleep(self.seconds)

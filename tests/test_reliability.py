@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -22,7 +21,7 @@ from dist_utils import (
     load_ranks,
     write_text_corpus,
 )
-from gasloc_lightning import GASLoCStrategy, GossipTimeoutError
+from gasloc_lightning import GASLoCStrategy
 from gasloc_lightning.checkpoint import CheckpointFormatError, export_consensus, load_rank_checkpoint, rank_file
 from gasloc_lightning.data import ByteDataModule
 from gasloc_lightning.models.lm import LanguageModel
