@@ -111,9 +111,17 @@ def _order(run: dict[str, Any]) -> tuple[int, list[Any]]:
     return rank, _natural_key(Path(run["run_dir"]))
 
 
+def is_gossip(strategy: dict[str, Any]) -> bool:
+    """GASLoC with H = 1, eta = 1, gamma = 0 is plain gossip (adapt-then-combine, ``strategy=gossip``)."""
+    return (strategy["name"] == "gasloc" and strategy.get("inner_steps") == 1 and strategy.get("outer_lr") == 1.0
+            and strategy.get("outer_momentum") == 0.0)
+
+
 def label(run: dict[str, Any]) -> str:
     """Short legend text: strategy, and its graph and H where they apply."""
     strategy = run["strategy"]
+    if is_gossip(strategy):
+        return f"gossip ({strategy['topology']})"
     if strategy["name"] == "gasloc":
         return f"gasloc ({strategy['topology']}, H={strategy['inner_steps']})"
     if strategy["name"] in ("diloco", "local"):
@@ -194,7 +202,8 @@ def markdown_table(runs: Sequence[dict[str, Any]], root: Path) -> str:
     for run in runs:
         strategy, budget, final = run["strategy"], run["budget"], run["final"]
         cells = [
-            os.path.relpath(run["run_dir"], root), strategy["name"], str(strategy["topology"]),
+            os.path.relpath(run["run_dir"], root), "gossip" if is_gossip(strategy) else strategy["name"],
+            str(strategy["topology"]),
             str(strategy["inner_steps"]), str(run["world_size"]), str(budget["rounds"]),
             f"{budget['tokens']:,}",
             _number(final["val_loss"], 4), _number(final["val_ppl"], 2), _si(run.get("bytes_sent"), "B"),
@@ -220,13 +229,18 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, ax = plt.subplots(figsize=(7, 4.5))
+    figure, ax = plt.subplots(figsize=(9, 4.5))
+    colors: dict[str, str] = {}  # one colour and one legend entry per configuration; seeds share them
     drawn = 0
     for run, curve in zip(runs, curves):
         points = [(x, y) for x, y in zip(getattr(curve, axis), curve.val_loss)
                   if x is not None and (x > 0 or not log_x)]
         if points:
-            ax.plot(*zip(*points), marker="o", markersize=3, label=label(run))
+            name = label(run)
+            first = name not in colors
+            colors.setdefault(name, f"C{len(colors) % 10}")
+            ax.plot(*zip(*points), marker="o", markersize=3, color=colors[name], alpha=0.85,
+                    label=name if first else None)
             drawn += 1
     if not drawn:
         plt.close(figure)
@@ -240,7 +254,7 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
     ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss of the consensus model (nats/byte)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -96,3 +96,12 @@ def test_a_folder_without_runs_is_a_clear_error(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"format": 99}))
     with pytest.raises(ValueError, match="format 99"):
         compare([tmp_path], tmp_path / "out")
+
+
+def test_gasloc_with_H_1_eta_1_gamma_0_is_labelled_gossip():
+    from gasloc_lightning.compare import label
+
+    gossip = {"name": "gasloc", "topology": "ring", "inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
+    assert label({"strategy": gossip}) == "gossip (ring)"
+    for change in ({"inner_steps": 2}, {"outer_lr": 0.7}, {"outer_momentum": 0.5}):
+        assert label({"strategy": {**gossip, **change}}).startswith("gasloc (ring")
