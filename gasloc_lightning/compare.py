@@ -230,7 +230,8 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
     import matplotlib.pyplot as plt
 
     figure, ax = plt.subplots(figsize=(9, 4.5))
-    colors: dict[str, str] = {}  # one colour and one legend entry per configuration; seeds share them
+    palette = plt.get_cmap("tab20")
+    colors: dict[str, Any] = {}  # one colour and one legend entry per configuration; seeds share them
     drawn = 0
     for run, curve in zip(runs, curves):
         points = [(x, y) for x, y in zip(getattr(curve, axis), curve.val_loss)
@@ -238,7 +239,7 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
         if points:
             name = label(run)
             first = name not in colors
-            colors.setdefault(name, f"C{len(colors) % 10}")
+            colors.setdefault(name, palette(len(colors) % palette.N))
             ax.plot(*zip(*points), marker="o", markersize=3, color=colors[name], alpha=0.85,
                     label=name if first else None)
             drawn += 1
