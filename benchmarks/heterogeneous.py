@@ -116,9 +116,10 @@ def methods(network: NetworkModel, inner_steps: int, overlap_momentum: float | N
 def make_strategy(spec: dict, network: NetworkModel, seed: int = 0):
     spec = dict(spec)
     kind = spec.pop("kind")
-    common = {"start_method": "fork", "network": network, "gossip_timeout": 600.0, "consensus_every": 0, "seed": seed}
+    common = {"start_method": "fork", "network": network, "gossip_timeout": 600.0, "consensus_every": 0}
     if kind == "diloco":
         return DiLoCoStrategy(**common, **spec)
+    common["seed"] = seed  # the peers' schedule
     if spec.get("topology") == "bandwidth_aware":
         clusters = [network.cluster_of(rank) for rank in range(network.world_size)]
         schedule = spec.pop("schedule", "concentrated")
