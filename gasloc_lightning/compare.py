@@ -8,7 +8,7 @@ same configuration, and writes into ``--out``:
   perplexity of the consensus model, bytes sent per worker and wall time, plus the
   byte-unigram entropy of the validation split (the loss of the best context-free model);
 - ``val_loss_vs_tokens.png``, ``val_loss_vs_bytes.png`` and, when the runs log a
-  ``sim_time`` metric, ``val_loss_vs_sim_time.png`` (matplotlib, Agg backend).
+  ``sim_time`` metric, ``val_loss_vs_sim_time.png`` (matplotlib, drawn without pyplot: no backend is changed).
 """
 
 from __future__ import annotations
@@ -225,12 +225,11 @@ def markdown_table(runs: Sequence[dict[str, Any]], root: Path) -> str:
 def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xlabel: str, path: Path,
           log_x: bool = False) -> Path | None:
     import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (e.g. a notebook's) is left alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, ax = plt.subplots(figsize=(9, 4.5))
-    palette = plt.get_cmap("tab20")
+    figure = Figure(figsize=(9, 4.5))
+    ax = figure.subplots()
+    palette = matplotlib.colormaps["tab20"]
     colors: dict[str, Any] = {}  # one colour and one legend entry per configuration; seeds share them
     drawn = 0
     for run, curve in zip(runs, curves):
@@ -244,7 +243,6 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
                     label=name if first else None)
             drawn += 1
     if not drawn:
-        plt.close(figure)
         return None
     entropies = _entropies(runs)
     if len(entropies) == 1 and None not in entropies:
@@ -258,7 +256,6 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return path
 
 
