@@ -15,6 +15,7 @@ all ranks in the same order.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -674,6 +675,11 @@ class LocalStepsStrategy(DDPStrategy):
     def teardown(self) -> None:
         self._local_backup = None
         super().teardown()
+        if multiprocessing.parent_process() is not None and dist.is_initialized():
+            # A spawned or forked worker exits right after this. Left to the interpreter's shutdown,
+            # the gloo process group was seen to abort a worker ("terminate called without an active
+            # exception") once in a CI run; destroying it here is local, so it cannot hang.
+            dist.destroy_process_group()
 
 
 def _register_variants(strategy_registry: Any, cls: type, prefix: str, description: str) -> None:
