@@ -21,8 +21,9 @@ two variants follow with no change to the outer step:
   excepted). Sending p rather than u matters: a correction already applied is then never
   measured (and applied) a second time. With no gradients and gamma = 0 a mode lambda of W
   contracts by exactly lambda per round, as without overlap, and beta = 1 (the default) is
-  stable on every graph for every gamma < 1 (see :mod:`gasloc_lightning.stability`; sending u
-  instead made a lambda = 0 mode follow d(t+1) = d(t) - d(t-1), which never contracts).
+  stable for every gamma < 1 on every named topology up to n = 16 (the exceptions and their
+  limits are in :mod:`gasloc_lightning.stability`; sending u instead made a lambda = 0 mode
+  follow d(t+1) = d(t) - d(t-1), which never contracts).
 
 Buffers: one float32 correction C (model size; with overlap and float32 messages it also holds the
 point in flight), the low-precision send buffer if any, and the transport's receive buffers.
