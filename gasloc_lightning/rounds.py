@@ -285,7 +285,7 @@ class LocalStepsStrategy(DDPStrategy):
         self._work = self._layout.new_buffer()
         self._transport = GossipTransport(
             self._layout.numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None,
-            dtype=self._message_dtype(),
+            dtype=self.message_dtype,
         )
         self._check_same_model_on_every_rank()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -387,7 +387,9 @@ class LocalStepsStrategy(DDPStrategy):
     def _init_outer_state(self) -> None:
         """Create the per-worker outer state from the (now identical) live parameters."""
 
-    def _message_dtype(self) -> torch.dtype:
+    @property
+    def message_dtype(self) -> torch.dtype:
+        """The dtype of the points on the wire (float32 here; GASLoC may send bfloat16)."""
         return torch.float32
 
     def _clock_all_reduce(self) -> None:

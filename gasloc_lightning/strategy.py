@@ -125,6 +125,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         return self._overlap
 
     @property
+    @override
     def message_dtype(self) -> torch.dtype:
         """The dtype of the points on the wire."""
         return self._wire_dtype
@@ -191,10 +192,6 @@ class GASLoCStrategy(LocalStepsStrategy):
                 self.transport, self.layout.numel, self._wire_dtype, self._overlap, accept=self._accept,
                 delayed_weight=self._delayed_weight,
             )
-
-    @override
-    def _message_dtype(self) -> torch.dtype:
-        return self._wire_dtype
 
     @override
     def _drain_exchanges(self) -> None:

@@ -871,11 +871,21 @@ def _bandwidth_aware_partners(
         half = len(sequence) // 2
         pairs = list(zip(sequence[:half], sequence[half:]))
     else:  # the last rank of an odd cluster sits out: a slow link would make the round slow
-        pairs = [(group[k], group[k + 1]) for group in groups for k in range(0, len(group) - 1, 2)]
+        pairs = _pairs_inside(groups)
+    return _partners_of(pairs, world_size), cross
+
+
+def _pairs_inside(groups: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Consecutive ranks of each (shuffled) cluster paired up; the last of an odd one sits out."""
+    return [(group[k], group[k + 1]) for group in groups for k in range(0, len(group) - 1, 2)]
+
+
+def _partners_of(pairs: Iterable[tuple[int, int]], world_size: int) -> tuple[int, ...]:
+    """The partner of every rank (itself when it sits out)."""
     partners = list(range(world_size))
     for a, b in pairs:
         partners[a], partners[b] = b, a
-    return tuple(partners), cross
+    return tuple(partners)
 
 
 @lru_cache(maxsize=16)
@@ -905,11 +915,7 @@ def _spread_partners(
         partner = rng.choice(others)
         groups[next(c for c in order[1:] if partner in groups[c])].remove(partner)
         pairs.append((groups[largest].pop(), partner))
-    pairs += [(group[i], group[i + 1]) for group in groups for i in range(0, len(group) - 1, 2)]
-    partners = list(range(world_size))
-    for a, b in pairs:
-        partners[a], partners[b] = b, a
-    return tuple(partners), k > 0
+    return _partners_of(pairs + _pairs_inside(groups), world_size), k > 0
 
 
 class BandwidthAwareTopology(Topology):
