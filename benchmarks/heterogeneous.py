@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 from gasloc_lightning import DiLoCoStrategy, GASLoCCallback, GASLoCStrategy, SimulatedClockCallback
-from gasloc_lightning.baselines import CpuThreads
+from gasloc_lightning.strategies.baselines import CpuThreads
 from gasloc_lightning.data import ByteDataModule
 from gasloc_lightning.models.lm import LanguageModel
 from gasloc_lightning.network import NetworkModel

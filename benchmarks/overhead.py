@@ -54,12 +54,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-import gasloc_lightning.strategy as strategy_module
+import gasloc_lightning.strategies.gasloc as strategy_module
 from gasloc_lightning import GASLoCStrategy, LocalStepsStrategy
 from gasloc_lightning.models.gpt import GPTConfig
 from gasloc_lightning.models.lm import LanguageModel
-from gasloc_lightning.outer import OuterState
-from gasloc_lightning.transport import FlatLayout, GossipTransport
+from gasloc_lightning.algorithm.outer import OuterState
+from gasloc_lightning.comm.flat import FlatLayout
+from gasloc_lightning.comm.transport import GossipTransport
 
 TARGET_THROUGHPUT = 0.97  # (a) gasloc / auto, at least
 TARGET_ROUND = 1.5  # (b) round / raw transfer, at most

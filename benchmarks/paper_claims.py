@@ -59,11 +59,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from gasloc_lightning.compare import compare, find_runs
-from gasloc_lightning.config import config_dir
-from gasloc_lightning.summary import load_summary
+from gasloc_lightning.app.compare import compare, find_runs
+from gasloc_lightning.app.config import config_dir
+from gasloc_lightning.app.summary import load_summary
 from gasloc_lightning.topology import build_topology
-from gasloc_lightning.train import Budget
+from gasloc_lightning.app.train import Budget
 
 # A few steps on 4 forked workers (two_peer needs 3, exponential a power of two): a smoke run.
 QUICK = [

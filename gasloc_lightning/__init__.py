@@ -5,15 +5,15 @@
 ``Trainer(strategy="gasloc")`` works.
 """
 
-from gasloc_lightning.callback import GASLoCCallback, SimulatedClockCallback
-from gasloc_lightning.diloco import DiLoCoStrategy
+from gasloc_lightning.strategies.callbacks import GASLoCCallback, SimulatedClockCallback
+from gasloc_lightning.strategies.diloco import DiLoCoStrategy
 from gasloc_lightning.network import NetworkModel, SimulatedClock
-from gasloc_lightning.outer import OuterState
-from gasloc_lightning.registry import register_strategies
-from gasloc_lightning.rounds import LocalStepsStrategy
-from gasloc_lightning.strategy import GASLoCStrategy
+from gasloc_lightning.algorithm.outer import OuterState
+from gasloc_lightning.strategies.registry import register_strategies
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
+from gasloc_lightning.strategies.gasloc import GASLoCStrategy
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
-from gasloc_lightning.transport import GossipTimeoutError
+from gasloc_lightning.comm.transport import GossipTimeoutError
 
 __version__ = "0.1.0"
 

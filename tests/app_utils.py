@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from gasloc_lightning.config import config_dir
+from gasloc_lightning.app.config import config_dir
 
 CONF = config_dir()
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

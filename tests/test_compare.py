@@ -9,12 +9,12 @@ import shutil
 import pytest
 
 from app_utils import finished_sweep
-from gasloc_lightning.baselines import gradient_bytes
-from gasloc_lightning.compare import DuplicateRunError, compare, main, read_curve
-from gasloc_lightning.demo import acceptance, sweep_command
+from gasloc_lightning.strategies.baselines import gradient_bytes
+from gasloc_lightning.app.compare import DuplicateRunError, compare, main, read_curve
+from gasloc_lightning.app.demo import acceptance, sweep_command
 from gasloc_lightning.models import GPT, GPTConfig
-from gasloc_lightning.summary import load_summary
-from gasloc_lightning.transport import ring_all_reduce_bytes
+from gasloc_lightning.app.summary import load_summary
+from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -99,7 +99,7 @@ def test_a_folder_without_runs_is_a_clear_error(tmp_path):
 
 
 def test_gasloc_with_H_1_eta_1_gamma_0_is_labelled_gossip():
-    from gasloc_lightning.compare import label
+    from gasloc_lightning.app.compare import label
 
     gossip = {"name": "gasloc", "topology": "ring", "inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0}
     assert label({"strategy": gossip}) == "gossip (ring)"

@@ -14,7 +14,7 @@ from omegaconf.errors import MissingMandatoryValue
 from torch.nn.parallel import DistributedDataParallel
 
 from app_utils import CONF, EXPERIMENTS, compose_config
-from gasloc_lightning.train import Budget, check_budget, train
+from gasloc_lightning.app.train import Budget, check_budget, train
 
 GROUPS = ("strategy", "topology", "network", "model", "model/optimizer", "data", "trainer", "logger", "callbacks",
           "sweep")

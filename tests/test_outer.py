@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gasloc_lightning.outer import OuterState, mix
+from gasloc_lightning.algorithm.outer import OuterState, mix
 
 
 
@@ -191,7 +191,7 @@ def test_invalid_hyperparameters_name_the_argument(kwargs, match):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_all_finite_sees_nan_and_both_infinities(dtype):
-    from gasloc_lightning.transport import all_finite
+    from gasloc_lightning.comm.flat import all_finite
 
     values = torch.randn(1000).to(dtype)
     assert all_finite(values) and all_finite(values[:0])

@@ -17,8 +17,8 @@ from omegaconf import OmegaConf
 
 from app_utils import CONF, compose_config
 from gasloc_lightning import GASLoCStrategy
-from gasloc_lightning.compare import DuplicateRunError, check_unique
-from gasloc_lightning.outer import OuterState, mix
+from gasloc_lightning.app.compare import DuplicateRunError, check_unique
+from gasloc_lightning.algorithm.outer import OuterState, mix
 from gasloc_lightning.topology import build_topology
 
 

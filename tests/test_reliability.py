@@ -22,7 +22,7 @@ from dist_utils import (
     write_text_corpus,
 )
 from gasloc_lightning import GASLoCStrategy
-from gasloc_lightning.checkpoint import CheckpointFormatError, export_consensus, load_rank_checkpoint, rank_file
+from gasloc_lightning.plugins.per_rank import CheckpointFormatError, export_consensus, load_rank_checkpoint, rank_file
 from gasloc_lightning.data import ByteDataModule
 from gasloc_lightning.models.lm import LanguageModel
 
@@ -112,7 +112,7 @@ def test_consensus_export_averages_the_replicas_and_loads_for_inference(tmp_path
 
 
 def test_export_cli_reports_errors_and_result(tmp_path, capsys):
-    from gasloc_lightning.checkpoint import main
+    from gasloc_lightning.app.export import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "missing"), str(tmp_path / "out.ckpt")])
@@ -120,7 +120,7 @@ def test_export_cli_reports_errors_and_result(tmp_path, capsys):
 
 
 def test_truncated_or_foreign_checkpoint_files_name_the_file(tmp_path):
-    from gasloc_lightning.checkpoint import FORMAT, write_meta
+    from gasloc_lightning.plugins.per_rank import FORMAT, write_meta
 
     directory = tmp_path / "ckpt"
     directory.mkdir()

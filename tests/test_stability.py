@@ -7,8 +7,8 @@ import statistics
 import pytest
 import torch
 
-from gasloc_lightning import stability
-from gasloc_lightning.stability import (
+from gasloc_lightning.algorithm import stability
+from gasloc_lightning.algorithm.stability import (
     SWITCHING_SAFE_MOMENTUM,
     consensus_rate_fixed,
     consensus_rate_periodic,

@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.precision import Precision
 
 from dist_utils import CountCollectives, RecordParameters, TinyRegressor, flat_parameters, load_ranks
 from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy
-from gasloc_lightning.transport import ring_all_reduce_bytes
+from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 

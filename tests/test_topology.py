@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from gasloc_lightning import stability
+from gasloc_lightning.algorithm import stability
 from gasloc_lightning.topology import (
     TOPOLOGIES,
     BandwidthAwareTopology,

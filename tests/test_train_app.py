@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from app_utils import CONF, EXPERIMENTS, QUICK, compose_config, finished_sweep, run_app, shared_cache_dir
-from gasloc_lightning.summary import SUMMARY_FILE
-from gasloc_lightning.train import train
+from gasloc_lightning.app.summary import SUMMARY_FILE
+from gasloc_lightning.app.train import train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -181,7 +181,7 @@ def test_ddp_gets_a_simulated_clock_through_the_callback(tmp_path, fresh_port):
     from lightning.pytorch.strategies import DDPStrategy
 
     from gasloc_lightning import SimulatedClockCallback
-    from gasloc_lightning.baselines import CpuThreads  # one thread per forked worker: no OpenMP hang after fork
+    from gasloc_lightning.strategies.baselines import CpuThreads  # one thread per forked worker: no OpenMP hang after fork
 
     network = NetworkModel.uniform(world_size=2, bandwidth_gbps=10.0, latency_s=0.001, speeds=[1.0, 0.5],
                                    model_parameters=10_000_000)

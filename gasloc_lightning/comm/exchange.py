@@ -22,7 +22,7 @@ two variants follow with no change to the outer step:
   measured (and applied) a second time. With no gradients and gamma = 0 a mode lambda of W
   contracts by exactly lambda per round, as without overlap, and beta = 1 (the default) is
   stable for every gamma < 1 on every named topology up to n = 16 (the exceptions and their
-  limits are in :mod:`gasloc_lightning.stability`; sending u instead made a lambda = 0 mode
+  limits are in :mod:`gasloc_lightning.algorithm.stability`; sending u instead made a lambda = 0 mode
   follow d(t+1) = d(t) - d(t-1), which never contracts).
 
 Buffers: one float32 correction C (model size; with overlap and float32 messages it also holds the
@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from gasloc_lightning.transport import GossipTransport, PendingExchange
+from gasloc_lightning.comm.transport import GossipTransport, PendingExchange
 
 MESSAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -1,7 +1,7 @@
 """``GASLoCStrategy``: the gossip round of GASLoC wired into Lightning.
 
 The round machinery (local steps, checkpoints, evaluation on the consensus model, guards) is
-:class:`~gasloc_lightning.rounds.LocalStepsStrategy`; this module adds what is GASLoC's own:
+:class:`~gasloc_lightning.strategies.local_steps.LocalStepsStrategy`; this module adds what is GASLoC's own:
 the topology and its stability check, the outer step, and the exchange with this round's peers.
 """
 
@@ -15,13 +15,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from gasloc_lightning.exchange import MESSAGE_DTYPES, CorrectionExchange
+from gasloc_lightning.comm.exchange import MESSAGE_DTYPES, CorrectionExchange
 from gasloc_lightning.network import round_pairs
-from gasloc_lightning.outer import OuterState, mix, validate_outer_hyperparameters
-from gasloc_lightning.rounds import LocalStepsStrategy, _register_variants
-from gasloc_lightning.stability import SWITCHING_SAFE_MOMENTUM
+from gasloc_lightning.algorithm.outer import OuterState, mix, validate_outer_hyperparameters
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
+from gasloc_lightning.algorithm.stability import SWITCHING_SAFE_MOMENTUM
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
-from gasloc_lightning.transport import PendingExchange
+from gasloc_lightning.comm.transport import PendingExchange
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class GASLoCStrategy(LocalStepsStrategy):
     graph this is exactly DiLoCo; on sparse graphs no global collective is needed.
 
     On failure: a peer that does not complete its exchange within ``gossip_timeout`` raises
-    :class:`~gasloc_lightning.transport.GossipTimeoutError` naming the round, this rank and the peer.
+    :class:`~gasloc_lightning.comm.transport.GossipTimeoutError` naming the round, this rank and the peer.
 
     Args:
         inner_steps: H, optimizer steps per round.
@@ -49,7 +49,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             ``local``) or a :class:`~gasloc_lightning.topology.Topology` object.
         seed: shared seed of the random graph schedule (every rank derives the same peers from it).
         overlap: post round t's exchange and start round t+1 at once; the peers' points are folded in
-            one round late (see :mod:`gasloc_lightning.exchange`). Costs one more model-size buffer.
+            one round late (see :mod:`gasloc_lightning.comm.exchange`). Costs one more model-size buffer.
         delayed_weight: beta in (0, 1], the scale of the one-round-late correction with overlap (1: the
             whole correction; smaller values damp it and slow consensus down).
         message_dtype: ``"float32"`` or ``"bfloat16"`` points on the wire (half the bytes; the mean of
@@ -167,7 +167,7 @@ class GASLoCStrategy(LocalStepsStrategy):
                 f"{world_size} workers, outer_form={form!r}, overlap={self._overlap} (consensus rate {rate:.4f} "
                 f">= 1): {advice}"
             )
-        if type(self._topology).__module__ != "gasloc_lightning.topology" and self._topology.time_varying:
+        if not type(self._topology).__module__.startswith("gasloc_lightning.topology.") and self._topology.time_varying:
             if gamma > SWITCHING_SAFE_MOMENTUM:
                 rank_zero_warn(
                     f"a custom time-varying topology with outer_momentum {gamma} > {SWITCHING_SAFE_MOMENTUM} "

@@ -1,7 +1,7 @@
 """``gasloc-compare RUN_DIR...``: a table and plots of finished runs, side by side.
 
 Reads every run under the given folders (a run is a folder with ``summary.json``, see
-:mod:`gasloc_lightning.summary`; a multirun folder holds one per job), refuses two runs of the
+:mod:`gasloc_lightning.app.summary`; a multirun folder holds one per job), refuses two runs of the
 same configuration, and writes into ``--out``:
 
 - ``comparison.md``: strategy, topology, H, rounds, tokens, final validation loss and
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gasloc_lightning.summary import SUMMARY_FILE, load_summary
+from gasloc_lightning.app.summary import SUMMARY_FILE, load_summary
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from gasloc_lightning.outer import validate_outer_hyperparameters
-from gasloc_lightning.rounds import LocalStepsStrategy, _register_variants
+from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 
 
 class DiLoCoStrategy(LocalStepsStrategy):
@@ -28,7 +28,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
         inner_steps: H, optimizer steps per round.
         outer_lr: eta of the outer SGD (DiLoCo: 0.7).
         outer_momentum: gamma, Nesterov momentum of the outer SGD (DiLoCo: 0.9); 0 disables momentum.
-        **kwargs: the remaining arguments of :class:`~gasloc_lightning.strategy.LocalStepsStrategy`.
+        **kwargs: the remaining arguments of :class:`~gasloc_lightning.strategies.gasloc.LocalStepsStrategy`.
     """
 
     strategy_name = "diloco"

@@ -32,9 +32,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gasloc_lightning import checkpoint as ckpt
+from gasloc_lightning.plugins import per_rank as ckpt
 from gasloc_lightning.network import NetworkModel, SimulatedClock, Throttle
-from gasloc_lightning.transport import FlatLayout, GossipTransport, all_finite
+from gasloc_lightning.comm.flat import FlatLayout, all_finite
+from gasloc_lightning.comm.transport import GossipTransport
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +376,7 @@ class LocalStepsStrategy(DDPStrategy):
             )
 
     def _attach_callback(self, trainer: pl.Trainer) -> None:
-        from gasloc_lightning.callback import GASLoCCallback
+        from gasloc_lightning.strategies.callbacks import GASLoCCallback
         from lightning.pytorch.callbacks import Checkpoint
 
         if any(isinstance(cb, GASLoCCallback) for cb in trainer.callbacks):

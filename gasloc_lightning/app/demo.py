@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from gasloc_lightning.compare import Comparison, compare
+from gasloc_lightning.app.compare import Comparison, compare
 
 DEFAULT_STRATEGIES = "gasloc,diloco,ddp"
 

@@ -32,9 +32,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from gasloc_lightning.baselines import is_dense_ddp, traffic_bytes_sent
-from gasloc_lightning.diloco import DiLoCoStrategy
-from gasloc_lightning.strategy import GASLoCStrategy, LocalStepsStrategy
+from gasloc_lightning.strategies.baselines import is_dense_ddp, traffic_bytes_sent
+from gasloc_lightning.strategies.diloco import DiLoCoStrategy
+from gasloc_lightning.strategies.gasloc import GASLoCStrategy, LocalStepsStrategy
 
 log = logging.getLogger(__name__)
 

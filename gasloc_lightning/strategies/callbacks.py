@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from gasloc_lightning.network import NetworkModel, SimulatedClock, Throttle
-from gasloc_lightning.rounds import LocalStepsStrategy
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 
 log = logging.getLogger(__name__)
 

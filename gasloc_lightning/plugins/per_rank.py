@@ -171,26 +171,3 @@ def export_consensus(directory: str | os.PathLike, output: str | os.PathLike) ->
     exported["gasloc_export"] = {"source": str(directory), "world_size": world_size, "consensus_distance": distance}
     atomic_save(exported, Path(output))
     return {"world_size": world_size, "consensus_distance": distance}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``gasloc-export CKPT_DIR OUT.ckpt``: average the replicas into one standard checkpoint."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="gasloc-export", description=export_consensus.__doc__.splitlines()[0])
-    parser.add_argument("checkpoint_dir", help="a per-rank checkpoint directory written by GASLoC or DiLoCo")
-    parser.add_argument("output", help="path of the single-file consensus checkpoint to write")
-    args = parser.parse_args(argv)
-    try:
-        report = export_consensus(args.checkpoint_dir, args.output)
-    except CheckpointFormatError as error:
-        parser.exit(2, f"gasloc-export: error: {error}\n")
-    print(
-        f"averaged {report['world_size']} replicas into {args.output} "
-        f"(consensus distance averaged away: {report['consensus_distance']:.6g})"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,32 +13,25 @@ anything is built. Choice-valued strings the schemas cannot express (OmegaConf h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-import gasloc_lightning
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 OUTER_FORMS = ("anchored", "post_mix")
 
 
 def config_dir() -> Path:
-    """The ``conf/`` tree: next to the package in a repository checkout or an editable install.
-
-    A copy shipped inside the package (``gasloc_lightning/conf``, which pyproject's
-    package-data already covers) is used when there is no repository around it.
-    """
-    package = Path(gasloc_lightning.__file__).resolve().parent
-    for candidate in (package.parent / "conf", package / "conf"):
-        if (candidate / "train.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"no Hydra config tree found: looked for {package.parent / 'conf'} and {package / 'conf'}; "
-        "install the package editable from its repository (pip install -e .)"
-    )
+    """The Hydra config tree: the package ``gasloc_lightning.conf`` (the repository's ``conf/``,
+    shipped inside the wheel), found through :mod:`importlib.resources`."""
+    tree = Path(str(resources.files("gasloc_lightning.conf")))
+    if not (tree / "train.yaml").is_file():
+        raise FileNotFoundError(f"the config tree {tree} has no train.yaml: the installation is incomplete")
+    return tree
 
 
 # ------------------------------------------------------------------ strategy and topology

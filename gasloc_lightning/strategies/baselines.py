@@ -23,8 +23,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from gasloc_lightning.rounds import LocalStepsStrategy
-from gasloc_lightning.transport import ring_all_reduce_bytes
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
+from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
 log = logging.getLogger(__name__)
 

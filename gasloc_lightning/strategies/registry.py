@@ -10,8 +10,8 @@ def register_strategies() -> list[str]:
 
     Returns the names this call added.
     """
-    from gasloc_lightning.diloco import DiLoCoStrategy
-    from gasloc_lightning.strategy import GASLoCStrategy
+    from gasloc_lightning.strategies.diloco import DiLoCoStrategy
+    from gasloc_lightning.strategies.gasloc import GASLoCStrategy
 
     before = set(StrategyRegistry)
     for cls in (GASLoCStrategy, DiLoCoStrategy):

@@ -1,0 +1,1 @@
+"""Plugins a strategy holds: the per-rank checkpoint format."""
