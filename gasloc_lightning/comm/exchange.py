@@ -33,7 +33,7 @@ buffer or the receive buffers (evaluation, checkpoints).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -43,6 +43,43 @@ from gasloc_lightning.comm.transport import GossipTransport, PendingExchange
 MESSAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Accept = Callable[[list[tuple[float, Tensor]], list[int]], list[tuple[float, Tensor]]]
+
+
+def wire_message(point: Tensor, message_dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """The message m_i put on the wire for ``point``: the point itself (float32) or its rounding.
+
+    Args:
+        point: the float32 point sent (u_i, or p_i with overlap).
+        message_dtype: float32 or bfloat16.
+        out: send buffer of ``message_dtype`` (allocated when None and a rounding is needed).
+    """
+    if message_dtype == torch.float32:
+        return point
+    return point.to(message_dtype) if out is None else out.copy_(point)
+
+
+def gossip_correction(
+    sent: Tensor, received: Sequence[tuple[float, Tensor]], scale: float, out: Tensor
+) -> Tensor:
+    """``out = scale * sum_j w_ij (m_j - m_i)``: the correction C_i (times beta) of one exchange.
+
+    Pure math shared by :class:`CorrectionExchange` (one worker, messages from the transport) and
+    the single-process simulator (one row of the stacked messages per worker).
+
+    Args:
+        sent: m_i, this worker's message as it went on the wire (float32 or bfloat16).
+        received: ``(w_ij, m_j)`` of every accepted peer message.
+        scale: beta with overlap, 1 otherwise.
+        out: float32 destination; may be ``sent`` itself (the point in flight lives there).
+    """
+    total = sum(weight for weight, _ in received)
+    if sent is out:  # C = -beta sum_j w_ij m_i first, in place
+        out.mul_(-scale * total)
+    else:
+        out.copy_(sent).mul_(-scale * total)
+    for weight, incoming in received:
+        out.add_(incoming, alpha=scale * weight)  # + beta sum_j w_ij m_j
+    return out
 
 
 class CorrectionExchange:
@@ -115,7 +152,7 @@ class CorrectionExchange:
         return point
 
     def _post(self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None) -> None:
-        wire = message if self._send is None else self._send.copy_(message)
+        wire = wire_message(message, self.message_dtype, out=self._send)
         self._sent = wire
         self._pending = self.transport.post(wire, peers, round_index, clock)
 
@@ -128,13 +165,7 @@ class CorrectionExchange:
         received = self._accept(self.transport.complete(pending), sorted(pending.peers))
         if self.ready:
             raise RuntimeError("a correction was drained before the previous one was applied")
-        total = sum(weight for weight, _ in received)
-        if self._sent is self.correction:  # the point sent lives here: C = -beta sum_j w_ij m_i first
-            self.correction.mul_(-self._scale * total)
-        else:
-            self.correction.copy_(self._sent).mul_(-self._scale * total)
-        for weight, incoming in received:
-            self.correction.add_(incoming, alpha=self._scale * weight)  # + beta sum_j w_ij m_j
+        gossip_correction(self._sent, received, self._scale, out=self.correction)
         self._sent = None
         self.ready = bool(received)
 

@@ -1,0 +1,264 @@
+"""``gasloc-sim``: the Hydra app that simulates n workers in one process over the same ``conf/`` tree.
+
+Usage::
+
+    gasloc-sim experiment=demo strategy=gasloc                 # the demo's 4 workers, in one process
+    gasloc-sim experiment=demo sim.workers=256 trainer.max_steps=50
+    gasloc-sim experiment=demo sim.workers=64 sim.down_fraction=0.1     # churn
+
+Presets, strategies (gasloc, diloco, local), topologies, networks and models are gasloc-train's;
+``sim.*`` adds the worker count, churn and progress. The job writes ``summary.json`` and
+``csv/metrics.csv`` as gasloc-train does (the strategy record carries ``engine: sim``), so
+``gasloc-compare`` reads both kinds of run side by side. Bad input (a worker count the topology
+cannot have, an unstable gamma, a run that does not fit in memory, a churn schedule that empties the
+quorum) is refused before any step.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
+
+from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
+from gasloc_lightning.app.summary import SUMMARY_FILE, SUMMARY_FORMAT, count_rounds
+from gasloc_lightning.app.train import check_budget
+from gasloc_lightning.models.lm import warmup_cosine_factor
+from gasloc_lightning.sim import (ChurnSchedule, DiLoCoRounds, GossipRounds, ShardedBatches, Simulator,
+                                  StackedReplicas, WorkerClocks, check_memory, estimate_bytes,
+                                  resolve_outer_momentum)
+from gasloc_lightning.topology import build_topology
+
+log = logging.getLogger(__name__)
+
+METRICS_CSV = "csv/metrics.csv"
+
+
+@dataclass
+class SimSchema:
+    """The ``sim`` node: what only the simulator needs.
+
+    workers: n replicas. progress_every: rounds between two progress lines (0: none).
+    down_fraction, mean_downtime_rounds, min_live, churn_seed: the churn schedule (down_fraction 0: none).
+    max_memory_gb: refuse runs estimated above this (null: 80% of the available memory).
+    threads: torch threads (null: torch's default). attention_math: batched math attention kernel.
+    """
+
+    workers: int = 4
+    progress_every: int = 10
+    down_fraction: float = 0.0
+    mean_downtime_rounds: float = 5.0
+    min_live: int = 2
+    churn_seed: int = 0
+    max_memory_gb: Optional[float] = None
+    threads: Optional[int] = None
+    attention_math: bool = True
+
+
+@dataclass
+class SimAppSchema(TrainSchema):
+    sim: SimSchema = field(default_factory=SimSchema)
+
+
+ConfigStore.instance().store(group="schema", name="sim_app", node=SimAppSchema)
+
+
+class MetricsTable:
+    """Rows of metrics by step, written as one CSV (a column per metric, as Lightning's CSVLogger)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, dict[str, float]] = {}
+
+    def __call__(self, step: int, row: dict[str, float]) -> None:
+        self.rows.setdefault(step, {}).update(row)
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        columns = sorted({key for row in self.rows.values() for key in row})
+        with path.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=["step", *columns])
+            writer.writeheader()
+            for step in sorted(self.rows):
+                writer.writerow({"step": step, **self.rows[step]})
+
+
+def _strategy_kind(cfg: DictConfig) -> str:
+    target = cfg.strategy._target_.rsplit(".", 1)[-1]
+    if target not in ("GASLoCStrategy", "DiLoCoStrategy"):
+        raise ValueError(f"gasloc-sim simulates strategy=gasloc, gossip, local and diloco, not {target}")
+    return "diloco" if target == "DiLoCoStrategy" else "gasloc"
+
+
+def _inner_steps(cfg: DictConfig) -> int:
+    steps = cfg.strategy.inner_steps
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
+        return steps
+    raise ValueError(f"strategy.inner_steps={steps!r}: gasloc-sim needs one H (an int >= 1); per-worker H_i "
+                     "lists and 'auto' are not simulated yet")
+
+
+def _topology(cfg: DictConfig) -> Any:
+    node = cfg.strategy.topology
+    if isinstance(node, str):
+        return build_topology(node, seed=cfg.strategy.seed)
+    return hydra.utils.instantiate(node, _convert_="all")
+
+
+def _network(cfg: DictConfig, workers: int) -> Any:
+    node = cfg.strategy.get("network")
+    if node is None:
+        return None
+    network = hydra.utils.instantiate(node, _convert_="all")
+    network.check_world_size(workers)
+    return network
+
+
+def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulator, dict[str, Any]]:
+    """Check everything, then build the simulator of a composed config; returns it and the run record's parts.
+
+    Args:
+        cfg: the composed config (``conf/sim/app.yaml``).
+        metrics: receives the metric rows (None: dropped).
+    """
+    check_choices(cfg)
+    check_budget(cfg.trainer)
+    kind, inner_steps, workers = _strategy_kind(cfg), _inner_steps(cfg), cfg.sim.workers
+    if workers < 1:
+        raise ValueError(f"sim.workers must be >= 1, got {workers}")
+    network = _network(cfg, workers)
+    strategy = cfg.strategy
+    record: dict[str, Any] = {"name": kind, "topology": "complete", "inner_steps": inner_steps,
+                              "outer_lr": float(strategy.outer_lr), "outer_form": "nesterov", "engine": "sim"}
+    if kind == "gasloc":
+        topology = _topology(cfg)
+        gamma = resolve_outer_momentum(topology, workers, strategy.outer_momentum, strategy.outer_form,
+                                       strategy.overlap, strategy.delayed_weight)
+        record.update(name="local" if topology.name == "local" else "gasloc", topology=topology.name,
+                      outer_form=strategy.outer_form)
+    else:
+        gamma = float(strategy.outer_momentum)
+    record["outer_momentum"] = gamma
+    churn = _churn(cfg, workers, count_rounds(cfg.trainer.max_steps, inner_steps))
+    if churn is not None and kind == "gasloc" and topology.uses_all_reduce is False:
+        for live in sorted({len(e.live) for e in churn.events}):
+            topology.check_world_size(live)
+    pl.seed_everything(cfg.seed, workers=True)  # the model's initial weights, as gasloc-train draws them
+    model = hydra.utils.instantiate(cfg.model, _convert_="all")
+    gpt = model.model.config
+    estimated = estimate_bytes(workers=workers, parameters=model.model.num_parameters(),
+                               batch_size=cfg.data.batch_size, block_size=cfg.data.block_size, n_layer=gpt.n_layer,
+                               n_embd=gpt.n_embd, n_head=gpt.n_head, vocab_size=gpt.vocab_size)
+    limit = None if cfg.sim.max_memory_gb is None else int(cfg.sim.max_memory_gb * 2**30)
+    check_memory(estimated, limit)
+    if cfg.sim.threads is not None:
+        torch.set_num_threads(cfg.sim.threads)
+    decay = model.hparams.max_steps if model.hparams.max_steps is not None else cfg.trainer.max_steps
+    schedule = functools.partial(warmup_cosine_factor, warmup_steps=model.hparams.warmup_steps, max_steps=decay,
+                                 min_lr_ratio=model.hparams.min_lr_ratio)
+    replicas = StackedReplicas(module=model.model, workers=workers,
+                               optimizer_factory=hydra.utils.instantiate(cfg.model.optimizer, _convert_="all"),
+                               lr_schedule=schedule, gradient_clip_val=cfg.trainer.gradient_clip_val)
+    clocks = WorkerClocks(network, workers)
+    if kind == "gasloc":
+        rounds: Any = GossipRounds(initial=replicas.flat, topology=topology, outer_lr=strategy.outer_lr,
+                                   outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
+                                   delayed_weight=strategy.delayed_weight, message_dtype=strategy.message_dtype,
+                                   clocks=clocks)
+    else:
+        rounds = DiLoCoRounds(initial=replicas.flat, outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks)
+    data_node = cfg.data
+    batches = ShardedBatches(
+        lambda rank, world_size: hydra.utils.instantiate(data_node, rank=rank, world_size=world_size, _convert_="all"),
+        workers)
+    simulator = Simulator(replicas=replicas, rounds=rounds, clocks=clocks, batches=batches, inner_steps=inner_steps,
+                          max_steps=cfg.trainer.max_steps, val_check_interval=cfg.trainer.val_check_interval,
+                          consensus_every=strategy.consensus_every, churn=churn,
+                          progress_every=cfg.sim.progress_every, attention_math=cfg.sim.attention_math,
+                          metrics=metrics)
+    parts = {"strategy": record, "model": model, "estimated_bytes": estimated, "churn": churn}
+    return simulator, parts
+
+
+def _churn(cfg: DictConfig, workers: int, rounds: int) -> ChurnSchedule | None:
+    sim = cfg.sim
+    if sim.down_fraction == 0:
+        return None
+    return ChurnSchedule(workers=workers, rounds=rounds, down_fraction=sim.down_fraction,
+                         mean_downtime_rounds=sim.mean_downtime_rounds, min_live=sim.min_live, seed=sim.churn_seed)
+
+
+def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    record: dict[str, Any] = {"name": type(optimizer).__name__}
+    for key, value in optimizer.defaults.items():
+        if isinstance(value, (int, float, str, bool, tuple, list)):
+            record[key] = list(value) if isinstance(value, tuple) else value
+    return record
+
+
+def _record(cfg: DictConfig, simulator: Simulator, parts: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    model, workers = parts["model"], simulator.workers
+    datamodule = hydra.utils.instantiate(cfg.data, rank=0, world_size=workers, _convert_="all")
+    data = {k: datamodule.hparams.get(k) for k in ("source", "block_size", "batch_size", "val_fraction", "val_batches")}
+    data["sha256"] = datamodule.fingerprint.get("sha256")
+    steps = result["steps"]
+    tokens = steps * simulator.batches.batch_size * simulator.batches.block_size * workers
+    final = result["final"]
+    return {
+        "format": SUMMARY_FORMAT,
+        "strategy": parts["strategy"],
+        "world_size": workers,
+        "model": dict(model.hparams.get("model", {})),
+        "parameters": model.model.num_parameters(),
+        "optimizer": _optimizer_record(simulator.replicas.optimizer),
+        "schedule": {k: model.hparams.get(k) for k in ("warmup_steps", "max_steps", "min_lr_ratio")},
+        "data": data,
+        "budget": {"max_steps": cfg.trainer.max_steps, "steps": steps, "tokens_per_step": tokens // steps,
+                   "tokens": tokens, "rounds": result["rounds"]},
+        "final": {"val_loss": final.get("val/loss"), "val_ppl": final.get("val/ppl"), "val_loss_local": None,
+                  "step": steps},
+        "bytes_sent": result["bytes_sent"],
+        "bytes_received": result["bytes_sent"],
+        "unigram_entropy_val": datamodule.unigram_entropy("val"),
+        "wall_time_s": round(result["wall_time_s"], 3),
+        "seed": cfg.seed,
+        "metrics_csv": METRICS_CSV,
+        "sim": {"workers": workers, "goodput": result["goodput"], "estimated_bytes": parts["estimated_bytes"],
+                "down_fraction": cfg.sim.down_fraction, "worker_steps_per_s": workers * steps / result["wall_time_s"],
+                "sim_time_max": max(simulator.clocks.times()) if simulator.clocks.enabled else None},
+    }
+
+
+def simulate(cfg: DictConfig) -> float | None:
+    """Run one simulated job of a composed config; returns the final consensus validation loss."""
+    table = MetricsTable()
+    simulator, parts = build(cfg, metrics=table)
+    log.info("simulating strategy=%s workers=%d steps=%d H=%d estimated_bytes=%d", parts["strategy"]["name"],
+             simulator.workers, simulator.max_steps, simulator.inner_steps, parts["estimated_bytes"])
+    result = simulator.run()
+    output = Path(cfg.output_dir)
+    table.write(output / METRICS_CSV)
+    record = _record(cfg, simulator, parts, result)
+    (output / SUMMARY_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    log.info("finished val_loss=%s worker_steps_per_s=%.1f summary=%s", record["final"]["val_loss"],
+             record["sim"]["worker_steps_per_s"], output / SUMMARY_FILE)
+    return record["final"]["val_loss"]
+
+
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="sim/app")
+def main(cfg: DictConfig) -> float | None:
+    """Console entry point ``gasloc-sim``."""
+    return simulate(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""What the simulator refuses before any step: graphs without n, unstable gamma, runs that cannot fit.
+
+The topology checks are the ones ``GASLoCStrategy.check_configuration`` makes for a world size (the
+default gamma of the topology, and a consensus rate below 1), asked of the same
+:class:`~gasloc_lightning.topology.Topology` methods.
+"""
+
+from __future__ import annotations
+
+import os
+
+from gasloc_lightning.topology import Topology, TopologyError
+
+# Model-size float32 tensors per replica: parameters, gradients, two AdamW moments, round start and
+# anchor, and (overlap or bfloat16 messages) the correction and the point in flight.
+_STATE_COPIES = 8
+
+
+def resolve_outer_momentum(
+    topology: Topology, workers: int, requested: float | None, outer_form: str, overlap: bool, delayed_weight: float
+) -> float:
+    """gamma for ``workers``: the requested value, or the topology's default; refused when unstable.
+
+    Raises:
+        ValueError: the topology cannot have ``workers`` workers, or gamma does not contract.
+    """
+    try:
+        topology.check_world_size(workers)
+    except TopologyError as error:
+        raise ValueError(f"sim.workers={workers} has no valid {topology.name!r} topology: {error}") from error
+    delayed = {"overlap": True, "delayed_weight": delayed_weight} if overlap else {}
+    if workers <= 1:
+        return 0.0 if requested is None else float(requested)
+    gamma = topology.default_outer_momentum(workers, outer_form, **delayed) if requested is None else requested
+    if topology.name == "local" or topology.uses_all_reduce:
+        return float(gamma)
+    rate = topology.consensus_rate(workers, gamma, outer_form, **delayed)
+    if rate >= 1.0:
+        limit = topology.max_stable_momentum(workers, outer_form, **delayed)
+        advice = "no gamma is stable" if limit is None else f"the largest stable gamma is about {limit:.3f}"
+        raise ValueError(
+            f"outer_momentum (gamma) = {gamma} is unstable for topology {topology.name!r} with {workers} workers, "
+            f"outer_form={outer_form!r}, overlap={overlap} (consensus rate {rate:.4f} >= 1): {advice}"
+        )
+    return float(gamma)
+
+
+def estimate_bytes(*, workers: int, parameters: int, batch_size: int, block_size: int, n_layer: int,
+                   n_embd: int, n_head: int, vocab_size: int) -> int:
+    """Rough peak bytes of one simulated step: model-size state per replica plus the activations kept
+    for the backward pass of every replica's batch (float32)."""
+    tokens = workers * batch_size * block_size
+    per_layer = 16 * n_embd + 3 * n_head * block_size  # residual, qkv, MLP, attention scores and probabilities
+    activations = tokens * (n_layer * per_layer + 3 * vocab_size + 4 * n_embd)
+    return 4 * (workers * parameters * _STATE_COPIES + activations)
+
+
+def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (or the physical memory where that file is missing)."""
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(estimated: int, limit: int | None = None) -> None:
+    """Refuse, with the estimate, a run needing more than ``limit`` bytes (default: 80% of what is available)."""
+    limit = int(0.8 * available_bytes()) if limit is None else limit
+    if estimated > limit:
+        raise ValueError(
+            f"the simulation needs about {estimated / 2**30:.2f} GiB ({estimated:,} bytes) but {limit / 2**30:.2f} GiB "
+            f"may be used: lower sim.workers, data.batch_size or the model size"
+        )

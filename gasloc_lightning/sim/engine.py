@@ -1,0 +1,199 @@
+"""The simulated run: n workers' local steps, rounds, churn, validation and metrics in one process.
+
+The loop is the multi-process strategy's, counted the same way: every optimizer step is one step of
+every worker; after H steps the round runs (``GossipRounds`` or ``DiLoCoRounds``); a final shorter
+round runs if steps remain at the end, then any exchange still in flight is folded in. Validation
+evaluates the average of the live replicas on every worker's validation windows (what the
+strategy's consensus evaluation computes, gathered in one place).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gasloc_lightning.sim.churn import ChurnSchedule
+from gasloc_lightning.sim.data import ShardedBatches
+from gasloc_lightning.sim.replicas import StackedReplicas
+from gasloc_lightning.sim.rounds import DiLoCoRounds, GossipRounds, WorkerClocks
+
+log = logging.getLogger(__name__)
+
+MetricsSink = Callable[[int, dict[str, float]], None]
+
+
+class Simulator:
+    """Trains ``replicas`` for ``max_steps`` steps with a round every ``inner_steps`` steps.
+
+    Args:
+        replicas: the stacked replicas and their inner optimizer.
+        rounds: the communication round (GASLoC, local, or DiLoCo).
+        clocks: the workers' simulated clocks (shared with ``rounds``).
+        batches: each worker's training batches and the validation windows.
+        inner_steps: H, steps per round (every worker).
+        max_steps: optimizer steps per worker.
+        val_check_interval: validate every this many steps (None: only at the end).
+        consensus_every: measure the consensus distance every this many rounds (0: never).
+        churn: the leave/join schedule (None: every worker stays).
+        progress_every: print progress every this many rounds (0: never).
+        metrics: receives ``(step, {name: value})`` rows, as a Lightning logger would.
+        attention_math: compute attention with the math kernel, which has a batching rule
+            (the fused CPU kernel falls back to a loop over replicas under vmap).
+    """
+
+    def __init__(
+        self,
+        *,
+        replicas: StackedReplicas,
+        rounds: GossipRounds | DiLoCoRounds,
+        clocks: WorkerClocks,
+        batches: ShardedBatches,
+        inner_steps: int,
+        max_steps: int,
+        val_check_interval: int | None = None,
+        consensus_every: int = 10,
+        churn: ChurnSchedule | None = None,
+        progress_every: int = 10,
+        metrics: MetricsSink | None = None,
+        attention_math: bool = True,
+    ) -> None:
+        for name, value in (("inner_steps (H)", inner_steps), ("max_steps", max_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if churn is not None and getattr(rounds, "overlap", False):
+            raise ValueError("churn with overlap=True is not simulated: a leaving worker's correction in flight "
+                             "would have no defined owner; turn one of them off")
+        self.replicas, self.rounds, self.clocks, self.batches = replicas, rounds, clocks, batches
+        self.inner_steps, self.max_steps = inner_steps, max_steps
+        self.val_check_interval, self.consensus_every = val_check_interval, consensus_every
+        self.churn, self.progress_every = churn, progress_every
+        self._metrics = metrics or (lambda step, row: None)
+        self._attention = (lambda: sdpa_kernel(SDPBackend.MATH)) if attention_math else nullcontext
+        self.workers = replicas.workers
+        self.round_index = 0
+        self.step = 0
+        self.consensus_distance: float | None = None
+        self._last_train_loss = float("nan")
+        self._live = list(range(self.workers)) if churn is None else list(churn.live(0))
+        self._start = time.perf_counter()
+
+    @property
+    def live(self) -> list[int]:
+        return list(self._live)
+
+    @property
+    def bytes_sent_mean(self) -> float:
+        return float(self.rounds.bytes_sent.mean())
+
+    def run(self) -> dict[str, Any]:
+        """Train to ``max_steps``; returns the final validation metrics and counters."""
+        self._start = time.perf_counter()
+        steps_in_round = 0
+        final: dict[str, float] = {}
+        with self._attention():
+            for step in range(1, self.max_steps + 1):
+                self.step = step
+                self._inner_step(step)
+                steps_in_round += 1
+                if steps_in_round == self.inner_steps:
+                    self._end_round()
+                    steps_in_round = 0
+                if self._validates(step):
+                    final = self.validate()
+            if steps_in_round:
+                self._end_round()
+            self.rounds.flush(self.replicas.flat)
+        return {"final": final, "rounds": self.round_index, "steps": self.step,
+                "wall_time_s": time.perf_counter() - self._start, "bytes_sent": self.bytes_sent_mean,
+                "goodput": 1.0 if self.churn is None else self.churn.goodput()}
+
+    def _validates(self, step: int) -> bool:
+        interval = self.val_check_interval
+        return step == self.max_steps or (interval is not None and step % interval == 0)
+
+    def _inner_step(self, step: int) -> None:
+        x, y = self.batches.next_batch()  # (n, B, T)
+        losses = self.replicas.step(x, y)
+        self.clocks.advance_compute(self._live)
+        live_losses = losses[torch.as_tensor(self._live)]
+        self._last_train_loss = float(live_losses.mean())
+        row = {"train/loss": self._last_train_loss, "lr": self.replicas.lr}
+        if self.clocks.enabled:
+            row["sim_time"] = self.clocks.times()[0]
+        self._metrics(step - 1, row)
+
+    def _end_round(self) -> None:
+        flat = self.replicas.flat
+        live = self._live
+        if not bool(torch.isfinite(flat[torch.as_tensor(live)]).all()):
+            bad = [i for i in live if not bool(torch.isfinite(flat[i]).all())]
+            raise FloatingPointError(f"round {self.round_index}: workers {bad[:8]} have non-finite parameters")
+        self.rounds.communicate(flat, self.round_index, live)
+        self.round_index += 1
+        row = {"comm/round": float(self.round_index), "comm/bytes_sent": self.bytes_sent_mean,
+               "comm/workers_alive": float(len(live))}
+        if self.consensus_every and self.round_index % self.consensus_every == 0:
+            self.consensus_distance = self.measure_consensus_distance()
+            row["comm/consensus_distance"] = self.consensus_distance
+        self._metrics(self.step - 1, row)
+        self._apply_churn()
+        self._print_progress()
+
+    def _apply_churn(self) -> None:
+        if self.churn is None or self.round_index >= len(self.churn.events):
+            return
+        event = self.churn.events[self.round_index]
+        for worker, source in event.joins.items():
+            self.replicas.copy_worker(source, worker)
+            self.rounds.join(worker, source)
+            self.clocks.join(worker, source)
+        self._live = list(event.live)
+
+    def _print_progress(self) -> None:
+        if not self.progress_every or self.round_index % self.progress_every:
+            return
+        clock = f" sim_time={max(self.clocks.times()):.1f}s" if self.clocks.enabled else ""
+        loss = self._last_train_loss
+        log.info("round=%d step=%d/%d alive=%d/%d loss=%.4f%s wall=%.1fs", self.round_index, self.step,
+                 self.max_steps, len(self._live), self.workers, loss, clock, time.perf_counter() - self._start)
+
+    @torch.no_grad()
+    def consensus_point(self) -> torch.Tensor:
+        """The average of the live replicas' points, (P,)."""
+        index = torch.as_tensor(self._live)
+        return self.replicas.flat.index_select(0, index).sum(dim=0).div_(len(self._live))
+
+    @torch.no_grad()
+    def measure_consensus_distance(self) -> float:
+        """(1/m) sum_i ||theta_i - mean theta||^2 over the live workers."""
+        index = torch.as_tensor(self._live)
+        points = self.replicas.flat.index_select(0, index)
+        return float((points - self.consensus_point()).pow(2).sum().double()) / len(self._live)
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Loss and perplexity of the consensus model on every worker's validation windows."""
+        point = self.consensus_point()
+        params = self.replicas.unflatten(point)
+        total, tokens = 0.0, 0
+        for x, y in self.batches.validation_batches(8 * self.batches.batch_size):
+            logits = functional_call(self.replicas.module, params, (x,)).float()  # (S, T, V)
+            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double())
+            tokens += y.numel()
+        loss = total / tokens
+        tokens_seen = self.step * self.batches.batch_size * self.batches.block_size * self.workers
+        row = {"val/loss": loss, "val/ppl": math.exp(loss), "progress/tokens": float(tokens_seen),
+               "progress/bytes_sent": self.bytes_sent_mean,
+               "progress/wall_time_s": time.perf_counter() - self._start}
+        self._metrics(self.step - 1, row)
+        log.info("validation step=%d val_loss=%.4f", self.step, loss)
+        return row

@@ -1,0 +1,152 @@
+"""n replicas of one model trained together in one process: the local phase of every worker at once.
+
+The replicas' parameters are rows of one ``(n, P)`` float32 tensor (the stacked points theta_i the
+outer step acts on), viewed per parameter as ``(n, *shape)`` leaves. The forward pass is
+``torch.func.functional_call`` under ``vmap``, so each replica sees only its own batch and its own
+weights. Per-worker AdamW is AdamW on the stacked leaves (it acts elementwise, and every replica of
+one :class:`StackedReplicas` has taken the same number of steps, so the bias corrections agree); the
+weight-decay groups are the real module's (:func:`gasloc_lightning.models.lm.parameter_groups`).
+Gradient clipping is per replica, as Lightning clips each worker's own gradients: the norm of row i
+is taken over all of replica i's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+
+from gasloc_lightning.models.lm import parameter_groups
+
+OptimizerFactory = Callable[[Iterable[Any]], torch.optim.Optimizer]
+
+
+def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters in ``module.parameters()`` order, tied ones once (as FlatLayout sends them)."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def parameter_count(module: nn.Module) -> int:
+    """P: elements of one replica's trainable parameters (tied ones counted once)."""
+    return sum(p.numel() for _, p in _unique_named_parameters(module))
+
+
+class StackedReplicas:
+    """``workers`` replicas of ``module``, their optimizer, learning-rate schedule and gradient clipping.
+
+    Args:
+        module: the model of one worker (its current weights are every replica's start).
+        workers: n, replicas stacked along the leading dimension.
+        optimizer_factory: builds the inner optimizer from parameter groups (a torch optimizer class
+            or a partial, as the LanguageModel receives it); it must act elementwise (AdamW, SGD).
+        lr_schedule: multiplier of the learning rate at optimizer step k (``LambdaLR``); None: constant.
+        gradient_clip_val: clip each replica's gradient norm to this (Lightning's ``gradient_clip_val``).
+    """
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        workers: int,
+        optimizer_factory: OptimizerFactory,
+        lr_schedule: Callable[[int], float] | None = None,
+        gradient_clip_val: float | None = None,
+    ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+        if gradient_clip_val is not None and not gradient_clip_val > 0:
+            raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val!r}")
+        self.module = module
+        self.workers = workers
+        self.gradient_clip_val = gradient_clip_val
+        named = _unique_named_parameters(module)
+        self.numel = sum(p.numel() for _, p in named)
+        self.flat = torch.empty(workers, self.numel, dtype=torch.float32)  # (n, P): row i is theta_i
+        self.params: dict[str, nn.Parameter] = {}
+        self._slices: dict[str, tuple[int, int, torch.Size]] = {}
+        offset = 0
+        for name, parameter in named:
+            size = parameter.numel()
+            view = self.flat[:, offset: offset + size].view(workers, *parameter.shape)  # (n, *shape)
+            view.copy_(parameter.detach().to(torch.float32).expand_as(view))
+            self.params[name] = nn.Parameter(view)  # shares the storage of self.flat
+            self._slices[name] = (offset, size, parameter.shape)
+            offset += size
+        self.optimizer = optimizer_factory(self._stacked_groups(named))
+        self.scheduler = None if lr_schedule is None else torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_schedule)
+        self._loss_fn = vmap(self._replica_loss, in_dims=(0, 0, 0))
+
+    def _stacked_groups(self, named: list[tuple[str, nn.Parameter]]) -> list[dict[str, Any]]:
+        by_id = {id(p): self.params[name] for name, p in named}
+        groups = []
+        for group in parameter_groups(self.module):
+            stacked = dict(group)
+            stacked["params"] = [by_id[id(p)] for p in group["params"] if id(p) in by_id]
+            groups.append(stacked)
+        return groups
+
+    def _replica_loss(self, params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        logits = functional_call(self.module, params, (x,))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def unflatten(self, point: Tensor) -> dict[str, Tensor]:
+        """One replica's flat (P,) point as ``{name: tensor}`` for ``functional_call``."""
+        return {name: point[offset: offset + size].view(shape) for name, (offset, size, shape) in self._slices.items()}
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def losses(self, x: Tensor, y: Tensor) -> Tensor:
+        """Each replica's mean cross-entropy on its own batch: (n, B, T) ids and targets -> (n,)."""
+        return self._loss_fn(self.params, x, y)
+
+    def step(self, x: Tensor, y: Tensor, apply: bool = True) -> Tensor:
+        """One inner step of every replica on its own batch; returns the (n,) losses (detached).
+
+        Args:
+            x, y: (n, B, T) token ids and next-token targets, row i for replica i.
+            apply: False computes the losses only (a worker past its H_i in this round).
+        """
+        if not apply:
+            with torch.no_grad():
+                losses = self.losses(x, y)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            losses = self.losses(x, y)  # (n,)
+            losses.sum().backward()  # replicas are independent: row i's gradient is that of loss i
+            if self.gradient_clip_val is not None:
+                self._clip_per_replica(self.gradient_clip_val)
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()  # Lightning steps the schedule every loop step
+        return losses.detach()
+
+    @torch.no_grad()
+    def _clip_per_replica(self, max_norm: float) -> None:
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        squares = torch.stack([g.flatten(1).pow(2).sum(dim=1) for g in grads]).sum(dim=0)  # (n,)
+        coefficient = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_
+        for g in grads:
+            g.mul_(coefficient.view(-1, *([1] * (g.dim() - 1))))
+
+    @torch.no_grad()
+    def copy_worker(self, source: int, destination: int) -> None:
+        """Replica ``destination`` takes ``source``'s parameters and optimizer state (a joining worker)."""
+        self.flat[destination].copy_(self.flat[source])
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.workers:
+                    value[destination].copy_(value[source])
+
+    def state_bytes(self) -> int:
+        """Bytes of the parameters, gradients and optimizer state held now."""
+        total = self.flat.numel() * 4 * 2
+        for state in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
+        return total
