@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -217,3 +218,22 @@ def test_two_epoch_fit_logs_metrics_and_checkpoint_loads(tmp_path, text_folder):
     restored = LanguageModel.load_from_checkpoint(path)  # weights_only: hyperparameters are plain
     assert restored.config == model.config and restored.tokens_seen == model.tokens_seen
     torch.testing.assert_close(restored.model.wte.weight, model.model.wte.weight)
+
+
+def test_evaluation_ignores_metric_states_left_from_an_earlier_one(tmp_path, text_folder):
+    """A module that comes back from the spawn launcher holds the metric states of its last validation;
+    the next trainer.validate/test must measure the model alone (stale states shown here by a planted update)."""
+    data = ByteDataModule(source=text_folder, block_size=64, batch_size=8, val_fraction=0.2, val_batches=2,
+                          cache_dir=tmp_path / "cache")
+    model = LanguageModel(model="tiny")
+    returned = copy.deepcopy(model)
+    for metric in (returned.val_loss, returned.test_loss):
+        metric.update(torch.tensor(100.0), weight=10_000)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    [clean] = trainer.validate(model, datamodule=data, verbose=False)
+    [tested] = trainer.test(model, datamodule=data, verbose=False)
+    [again] = trainer.validate(returned, datamodule=data, verbose=False)
+    [tested_again] = trainer.test(returned, datamodule=data, verbose=False)
+    assert again["val/loss"] == pytest.approx(clean["val/loss"], rel=1e-6)
+    assert tested_again["test/loss"] == pytest.approx(tested["test/loss"], rel=1e-6)

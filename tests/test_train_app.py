@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import shutil
@@ -11,7 +12,7 @@ import pytest
 
 from app_utils import CONF, EXPERIMENTS, QUICK, compose_config, finished_sweep, run_app, shared_cache_dir
 from gasloc_lightning.app.summary import SUMMARY_FILE
-from gasloc_lightning.app.train import train
+from gasloc_lightning.app.train import build, isolated_job, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -46,6 +47,31 @@ def test_every_experiment_runs_a_few_steps(experiment, tmp_path, tmp_path_factor
     assert summary["budget"]["tokens"] == 4 * 4 * 64 * workers  # steps x B x T x workers
     assert summary["budget"]["rounds"] == 2  # 4 steps / H=2
     assert (tmp_path / summary["metrics_csv"]).is_file()
+
+
+def _validation_steps(run_dir: Path, summary: dict) -> list[int]:
+    """Optimizer steps (1-based) of the rows of metrics.csv that carry a validation loss."""
+    with open(run_dir / summary["metrics_csv"], newline="") as handle:
+        return sorted({int(row["step"]) + 1 for row in csv.DictReader(handle) if row.get("val/loss")})
+
+
+@pytest.mark.timeout(300)
+def test_a_short_run_validates_the_final_model(tmp_path, tmp_path_factory, fresh_port):
+    """max_steps=5 with val_check_interval=2 and H=3: validations at 2, 4 and after the last step, on the
+    model fit returns (the final, shorter round runs before that validation, not after it)."""
+    overrides = [*QUICK, "trainer.max_steps=5", "trainer.val_check_interval=2", "inner_steps=3"]
+    cfg = compose_config(overrides, output_dir=tmp_path, cache_dir=shared_cache_dir(tmp_path_factory))
+    with isolated_job():
+        trainer, model, datamodule = build(cfg)
+        trainer.fit(model, datamodule=datamodule)
+        summary = _summary(tmp_path)
+        validated_at = _validation_steps(tmp_path, summary)  # before validate() rewrites metrics.csv
+        fresh_port()
+        [again] = trainer.validate(model, datamodule=datamodule, verbose=False)
+    assert summary["final"]["step"] == summary["budget"]["steps"] == 5
+    assert summary["budget"]["rounds"] == 2  # one at step 3, the shorter final one at step 5
+    assert validated_at == [2, 4, 5]
+    assert summary["final"]["val_loss"] == pytest.approx(again["val/loss"], rel=1e-6)
 
 
 @pytest.mark.timeout(300)

@@ -8,8 +8,9 @@ Usage::
     python -m gasloc_lightning.train --cfg job          # print the composed config
 
 Each job: check the config, build every part from its ``_target_``, print the budget
-(tokens, rounds = steps / H, workers), fit, and leave ``summary.json`` and ``metrics.csv`` in
-its folder (see :mod:`gasloc_lightning.app.summary`). Workers are spawned, not re-executed
+(tokens, rounds = steps / H, workers), fit (validating every ``trainer.val_check_interval`` steps
+and once more after the last step, on the final model: :class:`FinalValidation`), and leave
+``summary.json`` and ``metrics.csv`` in its folder (see :mod:`gasloc_lightning.app.summary`). Workers are spawned, not re-executed
 ("popen"): under Hydra the popen launcher rebuilds each child's command from the parent's
 command line, so with ``-m`` every child would start the whole sweep again. Everything the
 spawn pickles to the children is a module-level class built by Hydra. After each job the
@@ -32,10 +33,13 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
+from typing_extensions import override
 
 from gasloc_lightning.app.config import check_choices, config_dir
 from gasloc_lightning.app.summary import SUMMARY_FILE, count_rounds, describe_strategy
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 
 log = logging.getLogger(__name__)
 
@@ -79,19 +83,38 @@ class Budget:
 
 
 def check_budget(trainer_cfg: DictConfig) -> None:
-    """Refuse budgets the comparison cannot use: no steps, or a last validation before the end."""
+    """Refuse budgets the comparison cannot use: no optimizer steps at all."""
     max_steps = trainer_cfg.max_steps
     if not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(
             f"trainer.max_steps={max_steps!r}: the budget is counted in optimizer steps per worker and "
             "must be >= 1 (a budget of zero steps trains nothing)"
         )
-    interval = trainer_cfg.val_check_interval
-    if isinstance(interval, int) and (interval < 1 or max_steps % interval):
-        raise ValueError(
-            f"trainer.val_check_interval={interval} must divide trainer.max_steps={max_steps}, so that "
-            "the last validation measures the final model"
-        )
+
+
+class FinalValidation(Callback):
+    """Validates after the last optimizer step, whatever ``val_check_interval``, on the final model.
+
+    Lightning validates every ``val_check_interval`` steps; a budget that is not a multiple of it
+    (``gasloc-train trainer.max_steps=20`` with the default interval of 50) would end without a
+    validation, and the run record would have no final loss. At the last step this callback:
+
+    1. finishes the round in progress (the shorter final round, or an overlapped exchange still in
+       flight), which the strategy would otherwise run only at the end of fit, after validation:
+       the outer step moves the replicas' average, so the validated model would not be the final one;
+    2. sets ``trainer.should_stop``: Lightning then validates once after this step (its early-stopping
+       path), which is a no-op change when the interval already lands on the last step.
+
+    Every rank reaches the last step together (same ``max_steps``), so the round stays aligned.
+    """
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.max_steps < 1 or trainer.global_step < trainer.max_steps:
+            return
+        if isinstance(trainer.strategy, LocalStepsStrategy) and trainer.strategy.finish_pending_round():
+            log.info("final round run at step=%d before the final validation", trainer.global_step)
+        trainer.should_stop = True
 
 
 @contextmanager
@@ -135,7 +158,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     trainer = hydra.utils.instantiate(
         cfg.trainer,
         strategy=strategy,
-        callbacks=_instantiate_group(cfg.callbacks),
+        callbacks=[*_instantiate_group(cfg.callbacks), FinalValidation()],
         logger=_instantiate_group(cfg.logger) or False,
         _convert_="all",
     )

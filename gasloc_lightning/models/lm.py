@@ -175,6 +175,16 @@ class LanguageModel(pl.LightningModule):
         self.log("train/tokens", tokens, on_step=True, on_epoch=False, reduce_fx="max")
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # A model that comes back from a launcher still holds the last evaluation's metric states;
+        # without a reset, the next trainer.validate would average them into its own result.
+        self.val_loss.reset()
+        self.val_ppl.reset()
+
+    def on_test_epoch_start(self) -> None:
+        self.test_loss.reset()
+        self.test_ppl.reset()
+
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._evaluate(batch, self.val_loss, self.val_ppl, prefix="val")
 
