@@ -95,10 +95,17 @@ class Simulator:
         return float(self.rounds.bytes_sent.mean())
 
     def run(self) -> dict[str, Any]:
-        """Train to ``max_steps``; returns the final validation metrics and counters."""
+        """Train to ``max_steps``, then :meth:`finish`; returns the final validation metrics and counters."""
+        final = self.train()
+        self.finish()
+        return {"final": final, "rounds": self.round_index, "steps": self.step,
+                "wall_time_s": time.perf_counter() - self._start, "bytes_sent": self.bytes_sent_mean,
+                "goodput": 1.0 if self.churn is None else self.churn.goodput()}
+
+    def train(self) -> dict[str, float]:
+        """The training loop (steps, rounds, validations); returns the last validation's metrics."""
         self._start = time.perf_counter()
-        steps_in_round = 0
-        final: dict[str, float] = {}
+        steps_in_round, final = 0, {}
         with self._attention():
             for step in range(1, self.max_steps + 1):
                 self.step = step
@@ -109,12 +116,13 @@ class Simulator:
                     steps_in_round = 0
                 if self._validates(step):
                     final = self.validate()
-            if steps_in_round:
+            if steps_in_round:  # a final, shorter round, as the strategy runs at the end of training
                 self._end_round()
-            self.rounds.flush(self.replicas.flat)
-        return {"final": final, "rounds": self.round_index, "steps": self.step,
-                "wall_time_s": time.perf_counter() - self._start, "bytes_sent": self.bytes_sent_mean,
-                "goodput": 1.0 if self.churn is None else self.churn.goodput()}
+        return final
+
+    def finish(self) -> None:
+        """End of training: fold in any exchange still in flight (overlap)."""
+        self.rounds.flush(self.replicas.flat)
 
     def _validates(self, step: int) -> bool:
         interval = self.val_check_interval
