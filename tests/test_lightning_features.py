@@ -62,15 +62,15 @@ def test_bf16_true_parameters_train_with_float32_rounds(tmp_path, fresh_port):
     assert torch.equal(records[0]["after_fit"], records[1]["after_fit"])
 
 
-def test_validate_evaluates_the_consensus_without_replacing_replicas(tmp_path, fresh_port):
+def test_validate_without_a_fit_evaluates_rank_zero_weights_on_every_rank(tmp_path, fresh_port):
+    # Averaging n different initialisations would evaluate a model nobody trained.
     model = PerRankWeights(str(tmp_path))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=gasloc(), logger=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=2,
                          default_root_dir=tmp_path)
     trainer.validate(model)
     records = load_ranks(tmp_path, 2, prefix="validate")
-    assert not torch.allclose(records[0]["before"], records[1]["before"])  # nobody broadcast rank 0's weights
-    consensus = (records[0]["before"] + records[1]["before"]) / 2
+    assert not torch.allclose(records[0]["before"], records[1]["before"])  # the ranks did start apart
     for record in records:
-        assert torch.allclose(record["evaluated"], consensus, atol=1e-6)
-        assert torch.equal(record["after"], record["before"])
+        assert torch.equal(record["evaluated"], records[0]["before"])
+        assert torch.equal(record["after"], records[0]["before"])

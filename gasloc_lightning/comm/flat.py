@@ -1,20 +1,30 @@
-"""FlatLayout: the exchanged tensors of a module (trainable parameters, floating buffers) as one flat float32 vector.
+"""FlatLayout: the exchanged tensors of a module as one flat float32 vector that the module lives in.
 
-The message of one round is ``[ trainable parameters | floating-point buffers ]``. Parameters
-get the outer step; floating buffers (BatchNorm statistics) are mixed without momentum; integer
-buffers stay local; tied parameters are sent once; frozen parameters are skipped.
+The message of one round is ``[ trainable parameters | exchanged buffers ]``. Parameters get the
+outer step; exchanged buffers (BatchNorm statistics) are mixed without momentum.
+
+Which tensors are exchanged:
+
+- trainable parameters, tied ones once; frozen parameters stay local;
+- floating buffers that are persistent (in ``state_dict``) and finite when the layout is built.
+  Non-persistent buffers (caches, rotary tables) and buffers holding +-inf or NaN by design
+  (additive causal masks filled with -inf) are never exchanged, guarded or repaired: mixing two
+  -inf gives NaN, and "repairing" a mask zeroes it. Integer buffers stay local.
+
+When every exchanged tensor is float32 on one device, the layout *binds* them: each tensor's
+``.data`` becomes a view into one contiguous buffer (as DDP's bucket views and FSDP's flat
+parameters do). The optimizer keeps holding the same ``Parameter`` objects, and a round reads and
+writes the model in place, with no gather and no scatter copy. Otherwise (bfloat16-true
+parameters, say) the layout gathers into a float32 scratch vector and scatters back, casting.
 """
 
 from __future__ import annotations
 
-import logging
+import hashlib
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
-
-log = logging.getLogger(__name__)
-
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -27,32 +37,55 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return unique
 
 
+def exchanged_buffers(module: nn.Module) -> list[Tensor]:
+    """The floating buffers a round exchanges: persistent ones that are finite now."""
+    persistent = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    return _unique(
+        b for b in module.buffers() if torch.is_floating_point(b) and id(b) in persistent and all_finite(b)
+    )
+
+
 class FlatLayout:
     """A fixed order of a module's exchanged tensors and their offsets in one flat float32 vector.
 
     Args:
-        module: the model whose trainable parameters and floating-point buffers are exchanged.
+        module: the model whose trainable parameters and exchanged buffers form the message.
+        bind: store the exchanged tensors in the flat vector itself when they are all float32
+            on one device (see the module docstring).
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, bind: bool = True):
         self.parameters = _unique(p for p in module.parameters() if p.requires_grad)
-        self.buffers = _unique(b for b in module.buffers() if torch.is_floating_point(b))
+        if not self.parameters:
+            raise ValueError("the model has no trainable parameters to exchange")
+        self.buffers = exchanged_buffers(module)
         self.num_parameter_elements = sum(p.numel() for p in self.parameters)
         self.num_buffer_elements = sum(b.numel() for b in self.buffers)
         self._tensors = self.parameters + self.buffers
-        self.device = self.parameters[0].device if self.parameters else torch.device("cpu")
-        if not self.parameters:
-            raise ValueError("the model has no trainable parameters to exchange")
+        self.device = self.parameters[0].device
+        self._signature = self._describe(module)
+        self._flat = self.new_buffer()
+        self.bound = bind and all(t.dtype == torch.float32 and t.device == self.device for t in self._tensors)
+        if self.bound:
+            self._bind()
 
     @property
     def numel(self) -> int:
         return self.num_parameter_elements + self.num_buffer_elements
 
-    def signature(self, module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-        """Names, shapes and dtypes of the exchanged tensors, to compare models across ranks."""
+    def _describe(self, module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
         exchanged = {id(t) for t in self._tensors}
         named = list(module.named_parameters()) + list(module.named_buffers())
         return [(name, tuple(t.shape), str(t.dtype)) for name, t in named if id(t) in exchanged]
+
+    def signature(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Names, shapes and dtypes of the exchanged tensors, to compare models across ranks."""
+        return list(self._signature)
+
+    def signature_digest(self) -> int:
+        """A 63-bit hash of :meth:`signature`: ranks compare integers, never unpickle each other's bytes."""
+        digest = hashlib.sha256(repr(self._signature).encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
 
     def new_buffer(self) -> Tensor:
         return torch.empty(self.numel, dtype=torch.float32, device=self.device)
@@ -66,23 +99,58 @@ class FlatLayout:
         return views
 
     @torch.no_grad()
+    def _bind(self) -> None:
+        views = self._views(self._flat, self._tensors)
+        torch._foreach_copy_(views, [t.data for t in self._tensors])
+        for tensor, view in zip(self._tensors, views):
+            tensor.data = view
+
+    def is_live(self, flat: Tensor) -> bool:
+        """Whether ``flat`` is the vector the module lives in (writing it changes the model)."""
+        return self.bound and flat.data_ptr() == self._flat.data_ptr()
+
+    @torch.no_grad()
+    def read(self) -> Tensor:
+        """The current point ``[ parameters | buffers ]``: the live vector when bound (no copy), else a
+        float32 copy in a scratch vector that the next ``read`` overwrites."""
+        if not self.bound:
+            torch._foreach_copy_(self._views(self._flat, self._tensors), [t.data for t in self._tensors])
+        return self._flat
+
+    @torch.no_grad()
     def gather(self, out: Tensor) -> Tensor:
         """Copy every exchanged live tensor into ``out`` (cast to float32)."""
+        if self.bound:
+            return out.copy_(self._flat)
         torch._foreach_copy_(self._views(out, self._tensors), [t.data for t in self._tensors])
         return out
 
     @torch.no_grad()
     def scatter(self, flat: Tensor) -> None:
         """Copy a full flat vector (parameters and buffers) into the live tensors."""
+        if self.bound:
+            if not self.is_live(flat):
+                self._flat.copy_(flat)
+            return
         self._copy_into(self._tensors, flat)
 
     @torch.no_grad()
     def scatter_parameters(self, flat_parameters: Tensor) -> None:
         """Copy the parameter part only (cast to each parameter's dtype)."""
+        if self.bound:
+            live, _ = self.split(self._flat)
+            if live.data_ptr() != flat_parameters.data_ptr():
+                live.copy_(flat_parameters)
+            return
         self._copy_into(self.parameters, flat_parameters)
 
     @torch.no_grad()
     def scatter_buffers(self, flat_buffers: Tensor) -> None:
+        if self.bound:
+            _, live = self.split(self._flat)
+            if live.numel() and live.data_ptr() != flat_buffers.data_ptr():
+                live.copy_(flat_buffers)
+            return
         self._copy_into(self.buffers, flat_buffers)
 
     def _copy_into(self, tensors: list[Tensor], flat: Tensor) -> None:
@@ -103,5 +171,3 @@ def all_finite(tensor: Tensor) -> bool:
         return True
     low, high = torch.aminmax(tensor)
     return bool(torch.isfinite(low) & torch.isfinite(high))
-
-

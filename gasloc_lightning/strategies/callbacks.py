@@ -13,10 +13,11 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from gasloc_lightning.network import NetworkModel, SimulatedClock, Throttle
-from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, use_round_callback
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ class GASLoCCallback(Callback):
         self.evaluate = evaluate
         self.local_loss_name = local_loss_name
         self.average_at_end = average_at_end
-        self._local_loss_sum: torch.Tensor | None = None
-        self._local_loss_batches = 0
+        # A metric, not a sum: it syncs over every rank at the epoch end also where a rank had no batches.
+        self._local_loss = MeanMetric()
 
     @staticmethod
     def _strategy(trainer: pl.Trainer) -> LocalStepsStrategy | None:
@@ -97,7 +98,7 @@ class GASLoCCallback(Callback):
         strategy = self._strategy(trainer)
         if strategy is not None and self.evaluate == "consensus":
             strategy.swap_in_consensus()
-        self._local_loss_sum, self._local_loss_batches = None, 0
+        self._local_loss.reset()
 
     def _restore(self, trainer: pl.Trainer) -> None:
         strategy = self._strategy(trainer)
@@ -121,6 +122,14 @@ class GASLoCCallback(Callback):
         self._restore(trainer)
 
     @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_in(trainer)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore(trainer)
+
+    @override
     def on_validation_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, *args: Any
     ) -> None:
@@ -131,15 +140,14 @@ class GASLoCCallback(Callback):
         with torch.no_grad():
             loss = pl_module.compute_loss(batch).detach().float()
         strategy.show_consensus()
-        self._local_loss_sum = loss if self._local_loss_sum is None else self._local_loss_sum + loss
-        self._local_loss_batches += 1
+        self._local_loss.to(loss.device).update(loss)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._local_loss_sum is None or trainer.sanity_checking:
+        # Every rank reaches this, with or without validation batches of its own: the sync is collective.
+        if trainer.sanity_checking or not self._tracks_local_loss(self._strategy(trainer), pl_module):
             return
-        mean = self._local_loss_sum / self._local_loss_batches
-        pl_module.log(self.local_loss_name, mean, on_epoch=True, sync_dist=True)
+        pl_module.log(self.local_loss_name, self._local_loss.compute(), on_epoch=True)
 
     def _tracks_local_loss(self, strategy: LocalStepsStrategy | None, pl_module: pl.LightningModule) -> bool:
         return (
@@ -205,3 +213,6 @@ class SimulatedClockCallback(Callback):
             self.clock.load_state_dict(state_dict["clock"])
             self.throttle = Throttle(self.clock, self.network.throttle)  # sleep only for what follows
             self._last_step = state_dict["last_step"]
+
+
+use_round_callback(GASLoCCallback)

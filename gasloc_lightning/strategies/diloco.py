@@ -58,7 +58,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
 
     @override
     def _init_outer_state(self) -> None:
-        params, _ = self.layout.split(self.layout.gather(self._work))
+        params, _ = self.layout.split(self.layout.read())
         self._round_start = nn.Parameter(params.clone())
         momentum = self._outer_momentum
         self._outer_optimizer = torch.optim.SGD(
@@ -69,7 +69,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
     @torch.no_grad()
     def _communicate(self) -> None:
         assert self._round_start is not None and self._transport is not None
-        message = self.layout.gather(self._work)  # thetaH | buffers
+        message = self.layout.read()  # thetaH | buffers
         self._guard_local_point(message, self._round_start.detach())
         params, buffers = self.layout.split(message)
         torch.sub(self._round_start, params, out=params)  # pseudo-gradient Delta_i
@@ -85,7 +85,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
     @override
     def _on_replicas_averaged(self) -> None:
         if self._round_start is not None:
-            params, _ = self.layout.split(self.layout.gather(self._work))
+            params, _ = self.layout.split(self.layout.read())
             self._round_start.data.copy_(params)
 
     @override

@@ -95,6 +95,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         self._outer_form = outer_form
         self._seed = seed
         self._outer: OuterState | None = None
+        self._work: Tensor | None = None  # the overlapped message's own buffer
 
     @property
     def topology(self) -> Topology:
@@ -134,7 +135,7 @@ class GASLoCStrategy(LocalStepsStrategy):
     def check_configuration(self, world_size: int) -> None:
         """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""
         super().check_configuration(world_size)
-        world_size //= self._ranks_per_worker  # the graph connects workers
+        world_size //= self.ranks_per_worker  # the graph connects workers
         if self._topology.uses_all_reduce and (self._overlap or self._wire_dtype != torch.float32):
             raise ValueError(
                 "overlap=True and message_dtype='bfloat16' apply to point-to-point gossip; topology='complete' "
@@ -185,7 +186,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.check_configuration(self.world_size)
         if self.num_workers <= 1:
             rank_zero_info("GASLoC with a single worker: local training with outer steps, no communication.")
-        params, _ = self.layout.split(self.layout.gather(self._work))
+        params, _ = self.layout.split(self.layout.read())
         self._outer = OuterState(params, self._outer_lr, self.outer_momentum, self._outer_form)
         if self._overlap or self._wire_dtype != torch.float32:
             self._exchange = CorrectionExchange(
@@ -207,9 +208,13 @@ class GASLoCStrategy(LocalStepsStrategy):
         self._complete_clock(self._exchange.completed)
         correction = self._exchange.take()
         if correction is not None:  # the last delayed term: theta += C for the live point and the round start
-            live = self.layout.gather(self._work).add_(correction)
+            live = self.layout.read().add_(correction)
             self.layout.scatter(live)
             self._outer.round_start.add_(self.layout.split(correction)[0])
+        if self.ranks_per_worker > 1:  # only the leader exchanged: its ranks take the result
+            live = self.layout.read()
+            self.broadcast_in_worker(live, self._outer.round_start)
+            self.layout.scatter(live)
 
     def peers(self, round_index: int | None = None) -> dict[int, float]:
         """This rank's peers (global ranks of their worker leaders) and mixing weights w_ij in round t.
@@ -218,9 +223,9 @@ class GASLoCStrategy(LocalStepsStrategy):
         """
         if self.num_workers <= 1 or not self.is_worker_leader:
             return {}
-        t = self._round_index if round_index is None else round_index
+        t = self.round_index if round_index is None else round_index
         weights = self._topology.mixing_weights(self.worker_index, self.num_workers, t)
-        return {peer * self._ranks_per_worker: weight for peer, weight in weights.items()}
+        return {peer * self.ranks_per_worker: weight for peer, weight in weights.items()}
 
     @override
     @torch.no_grad()
@@ -228,7 +233,8 @@ class GASLoCStrategy(LocalStepsStrategy):
         assert self._outer is not None and self._transport is not None
         layout, outer = self.layout, self._outer
         self._drain_exchanges()  # an overlapped exchange may still read the message buffer
-        message = layout.gather(self._work)  # thetaH | buffers
+        # thetaH | buffers: the live vector itself, or a copy when it stays in flight during the next round
+        message = layout.gather(self._overlap_message()) if self._overlap else layout.read()
         self._guard_local_point(message, outer.round_start)
         params, buffers = layout.split(message)
         outer.message(params)  # params now hold u_i (or z_i for post_mix)
@@ -240,13 +246,13 @@ class GASLoCStrategy(LocalStepsStrategy):
         elif not self.is_worker_leader:
             clock = self._clock_tensor()
             self.broadcast_in_worker(mixed, buffers, clock)  # the leader exchanged for this worker
-            if self._clock is not None:
-                self._clock.follow(float(clock.item()))
+            if self._round_clock is not None:
+                self._round_clock.follow(clock)
         elif self._exchange is not None:
             buffers = self._mix_by_correction(message, mixed)
         else:
-            clock = self._clock.post_exchange() if self._clock is not None else None
-            pending = self._transport.post(message, self.peers(), self._round_index, clock)
+            clock = self._round_clock.on_post() if self._round_clock is not None else None
+            pending = self._transport.post(message, self.peers(), self.round_index, clock)
             received = self._accept(self._transport.complete(pending), sorted(pending.peers))
             self._complete_clock(pending)
             n = layout.num_parameter_elements
@@ -265,14 +271,14 @@ class GASLoCStrategy(LocalStepsStrategy):
         params, buffers = self.layout.split(message)
         if self._overlap:  # the previous round's exchange ends (in simulated time) now
             self._complete_clock(self._exchange.completed)
-        clock = self._clock.post_exchange() if self._clock is not None else None
+        clock = self._round_clock.on_post() if self._round_clock is not None else None
         if self._overlap:  # p = u + beta C(t-1): the live point, and the message now in flight
             point_params, point_buffers = self.layout.split(
-                self._exchange.fold_and_post(message, self.peers(), self._round_index, clock)
+                self._exchange.fold_and_post(message, self.peers(), self.round_index, clock)
             )
             mixed.copy_(point_params)
             return point_buffers
-        correction = self._exchange.exchange(message, self.peers(), self._round_index, clock)
+        correction = self._exchange.exchange(message, self.peers(), self.round_index, clock)
         self._complete_clock(self._exchange.completed)
         if correction is None:
             mixed.copy_(params)
@@ -283,18 +289,23 @@ class GASLoCStrategy(LocalStepsStrategy):
 
     def _complete_clock(self, pending: PendingExchange | None) -> None:
         """Advance the simulated clock to the end of a finished exchange (peers' clocks came with it)."""
-        if self._clock is None or pending is None or not self._clock.pending:
+        if self._round_clock is None or pending is None:
             return
-        k = self._ranks_per_worker
+        k = self.ranks_per_worker
         peer_clocks = {peer // k: value for peer, value in pending.peer_clock_values().items()}
-        nbytes = self._network.message_bytes(element_size=self._wire_dtype.itemsize)
         pairs = round_pairs(self._topology, self.num_workers, pending.round_index)
-        self._clock.complete_exchange(peer_clocks=peer_clocks, pairs=pairs, nbytes=nbytes)
+        self._round_clock.on_exchange_completed(peer_clocks, pairs, self._wire_dtype.itemsize)
+
+    def _overlap_message(self) -> Tensor:
+        """With overlap, the message stays in flight while the next round trains: it needs its own buffer."""
+        if self._work is None:
+            self._work = self.layout.new_buffer()
+        return self._work
 
     @override
     def _on_replicas_averaged(self) -> None:
         if self._outer is not None:
-            params, _ = self.layout.split(self.layout.gather(self._work))
+            params, _ = self.layout.split(self.layout.read())
             self._outer.round_start.copy_(params)
 
     @override

@@ -1,15 +1,21 @@
-"""The round machinery shared by GASLoC and DiLoCo: local steps, then a communication round.
+"""The round machinery shared by GASLoC and DiLoCo: H local optimizer steps, then a communication round.
 
-``LocalStepsStrategy`` is a Lightning ``DDPStrategy`` without the DDP wrapper (so no gradient
-all-reduce), with rank 0's initial weights broadcast once, a round every ``inner_steps`` (H)
-real optimizer steps, traffic counters, the consensus (average) model for evaluation, per-rank
-checkpoints, guards against non-finite points, workers made of several ranks, an optional
-simulated clock, and a per-rank thread budget on CPU. Subclasses implement ``_communicate``.
+``LocalStepsStrategy`` is Lightning's ``DDPStrategy`` without the DDP wrapper between workers (no
+gradient all-reduce): its ``setup`` is DDPStrategy's, and the round hooks in at ``optimizer_step``.
+It reads as a list of collaborators, each with one concern and its own tests:
 
-Why rounds stay aligned: every rank counts the same optimizer steps (Lightning calls
-``optimizer_step`` once per real step, also when a precision plugin skips the update), so every
-rank enters round t at the same step, and every collective (ours and Lightning's) is reached by
-all ranks in the same order.
+- :class:`~gasloc_lightning.strategies.schedule.RoundSchedule`: H_i and where each rank stands;
+- :class:`~gasloc_lightning.comm.flat.FlatLayout`: the model lives in one flat vector that a round
+  reads and writes in place;
+- :class:`~gasloc_lightning.comm.transport.GossipTransport`: point-to-point exchanges and all-reduces;
+- :class:`~gasloc_lightning.strategies.guards.NonFiniteGuard`: non-finite points and messages;
+- :class:`~gasloc_lightning.strategies.consensus.ConsensusSwap`: evaluation on the replicas' average;
+- :class:`~gasloc_lightning.strategies.worker_groups.WorkerGroups`: workers of several ranks;
+- :class:`~gasloc_lightning.strategies.round_clock.RoundClock`: the simulated clock, observing rounds;
+- :class:`~gasloc_lightning.strategies.launcher.StoppingSubprocessLauncher`: no worker outlives its launcher;
+- the per-rank checkpoint plugin (:mod:`gasloc_lightning.plugins`).
+
+Subclasses implement ``_communicate``.
 """
 
 from __future__ import annotations
@@ -17,25 +23,34 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Mapping
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from gasloc_lightning.plugins import per_rank as ckpt
-from gasloc_lightning.network import NetworkModel, SimulatedClock, Throttle
-from gasloc_lightning.comm.flat import FlatLayout, all_finite
+from gasloc_lightning.comm.flat import FlatLayout
 from gasloc_lightning.comm.transport import GossipTransport
+from gasloc_lightning.network import NetworkModel
+from gasloc_lightning.plugins import per_rank as ckpt
+from gasloc_lightning.plugins.per_rank_io import resolve_checkpoint_io
+from gasloc_lightning.strategies.consensus import ConsensusSwap
+from gasloc_lightning.strategies.guards import NonFiniteGuard, OnNonFinite
+from gasloc_lightning.strategies.launcher import StoppingSubprocessLauncher, exit_with_parent
+from gasloc_lightning.strategies.lightning_compat import _set_num_threads_if_needed, move_sigterm_check
+from gasloc_lightning.strategies.round_clock import RoundClock
+from gasloc_lightning.strategies.schedule import InnerSteps, RoundSchedule
+from gasloc_lightning.strategies.worker_groups import WorkerGroups
 
 log = logging.getLogger(__name__)
 
@@ -48,59 +63,62 @@ class LocalStepsStrategy(DDPStrategy):
     Args:
         inner_steps: H, optimizer steps between two rounds (>= 1), or one H_i per rank (the paper's
             heterogeneous workers): a round then lasts max(H_i) steps of the training loop on every rank,
-            and a worker with a smaller H_i computes but does not apply its last max(H_i) - H_i steps
-            (a slower worker does fewer updates in the same time), so rounds stay aligned.
+            and a worker with a smaller H_i computes but does not apply its last max(H_i) - H_i steps.
+            The ranks of one worker must share their H_i.
         gossip_timeout: seconds any point-to-point wait may take before failing with the round and peers named.
         collective_timeout: seconds the process group's collectives may take (default 2 x gossip_timeout).
         consensus_every: every this many rounds, all ranks measure the consensus distance together (0: never).
         bucket_cap_mb: largest single message slice, in MiB.
-        cpu_threads: torch threads per process on CPU; ``"auto"`` gives each local process its share of the cores.
-        on_nonfinite: what a worker does when its own point is not finite at the end of a round:
-            ``"skip_round"`` discards its local steps of that round (it restarts from its round-start point,
-            non-finite entries of its optimizer state are zeroed) and still takes part in the exchange, so
-            peers never wait and never receive it; ``"raise"`` stops at once.
+        cpu_threads: torch threads per process on CPU: ``"auto"`` leaves it to Lightning's launchers (cores
+            / local processes, unless ``OMP_NUM_THREADS`` is set), an int sets it, ``None`` leaves torch's.
+        on_nonfinite: ``"skip_round"`` or ``"raise"`` (see :mod:`gasloc_lightning.strategies.guards`).
         max_skipped_rounds: consecutive skipped rounds after which the worker stops with an error.
-        ranks_per_worker: k ranks (e.g. the GPUs of one node) form one worker: they train as DDP among
-            themselves (gradient all-reduce inside the worker) and gossip as one worker with the others
-            (the worker's first rank exchanges, then broadcasts the result inside the worker).
+        ranks_per_worker: k ranks (e.g. the GPUs of one node) form one worker: DDP inside the worker,
+            gossip between workers (see :mod:`gasloc_lightning.strategies.worker_groups`).
+        worker_ddp_kwargs: keyword arguments of ``DistributedDataParallel`` inside a worker
+            (``ranks_per_worker > 1``), e.g. ``{"gradient_as_bucket_view": True}``.
         network: a :class:`~gasloc_lightning.network.NetworkModel` over the workers: every rank then keeps a
-            simulated clock (compute from the modelled step time and speeds, communication from the modelled
-            links and message size), logged as ``sim_time``. Training itself is unchanged.
+            simulated clock, logged as ``sim_time``. Training itself is unchanged.
         fastest_inner_steps: with ``inner_steps="auto"``, H of the fastest worker; the others get H_i in
-            proportion to their speed in ``network`` (the paper's H_i), so rounds take equal time.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            proportion to their speed in ``network``, so rounds take equal time.
+        trust_checkpoint_code: load checkpoint files that a safe load (``weights_only=True``) refuses, e.g.
+            hyper-parameters holding arbitrary objects. Unpickling them runs code stored in the file: only for
+            files you trust. (Lightning 2.6 does not pass ``Trainer.fit(..., weights_only=False)`` on to a
+            strategy that restores after setup, as this one does; a direct ``load_checkpoint`` call honours it.)
+        checkpoint_io: a :class:`~gasloc_lightning.plugins.per_rank_io.PerRankCheckpointIO` (the default), e.g.
+            with ``storage_options``, or Lightning's ``AsyncCheckpointIO`` around one.
+        accelerator, parallel_devices, cluster_environment, precision_plugin,
         process_group_backend, start_method: as in Lightning's ``DDPStrategy``.
     """
 
     def __init__(
         self,
         *,
-        inner_steps: int | Sequence[int] | Literal["auto"] = 50,
+        inner_steps: InnerSteps = 50,
         gossip_timeout: float = 300.0,
         collective_timeout: float | None = None,
         consensus_every: int = 10,
         bucket_cap_mb: float = 64.0,
         cpu_threads: int | Literal["auto"] | None = "auto",
-        on_nonfinite: Literal["skip_round", "raise"] = "skip_round",
+        on_nonfinite: OnNonFinite = "skip_round",
         max_skipped_rounds: int = 3,
         ranks_per_worker: int = 1,
+        worker_ddp_kwargs: Mapping[str, Any] | None = None,
         network: NetworkModel | None = None,
         fastest_inner_steps: int = 50,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
+        trust_checkpoint_code: bool = False,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         start_method: StartMethod = "popen",
     ) -> None:
-        if inner_steps == "auto" and network is None:
-            raise ValueError("inner_steps='auto' needs a network model (network=NetworkModel(...)) for the speeds")
         if network is not None and not isinstance(network, NetworkModel):
             raise ValueError(f"network must be a NetworkModel, got {type(network).__name__}")
-        _check_positive_int("fastest_inner_steps", fastest_inner_steps)
-        for steps in [] if inner_steps == "auto" else [inner_steps] if isinstance(inner_steps, int) else inner_steps:
-            _check_positive_int("inner_steps (H)", steps)
+        if not isinstance(trust_checkpoint_code, bool):
+            raise ValueError(f"trust_checkpoint_code must be True or False, got {trust_checkpoint_code!r}")
         _check_positive_number("gossip_timeout", gossip_timeout)
         collective_timeout = 2.0 * gossip_timeout if collective_timeout is None else collective_timeout
         _check_positive_number("collective_timeout", collective_timeout)
@@ -108,25 +126,26 @@ class LocalStepsStrategy(DDPStrategy):
             raise ValueError(f"consensus_every must be an int >= 0, got {consensus_every!r}")
         if not (cpu_threads in ("auto", None) or (isinstance(cpu_threads, int) and cpu_threads >= 1)):
             raise ValueError(f"cpu_threads must be 'auto', None or an int >= 1, got {cpu_threads!r}")
-        if on_nonfinite not in ("skip_round", "raise"):
-            raise ValueError(f"on_nonfinite must be 'skip_round' or 'raise', got {on_nonfinite!r}")
-        _check_positive_int("max_skipped_rounds", max_skipped_rounds)
-        _check_positive_int("ranks_per_worker", ranks_per_worker)
+        if worker_ddp_kwargs is not None and not isinstance(worker_ddp_kwargs, Mapping):
+            raise ValueError(f"worker_ddp_kwargs must be a mapping of DDP arguments, got {worker_ddp_kwargs!r}")
+        if worker_ddp_kwargs and ranks_per_worker == 1:
+            raise ValueError("worker_ddp_kwargs applies inside a worker of several ranks: set ranks_per_worker > 1")
+        self._schedule = RoundSchedule(inner_steps, network, fastest_inner_steps)
+        self._guard = NonFiniteGuard(on_nonfinite, max_skipped_rounds)
+        self._workers = WorkerGroups(ranks_per_worker)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=None if checkpoint_io is None else resolve_checkpoint_io(checkpoint_io),  # None: Trainer plugins may set it
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timedelta(seconds=collective_timeout),
             start_method=start_method,
+            **dict(worker_ddp_kwargs or {}),
         )
-        self._inner_steps: int | list[int] | str = inner_steps if isinstance(inner_steps, (int, str)) else list(inner_steps)
         self._network = network
-        self._fastest_inner_steps = fastest_inner_steps
-        self._clock: SimulatedClock | None = None
-        self._throttle: Throttle | None = None
+        self._round_clock: RoundClock | None = None
         self._gossip_timeout = float(gossip_timeout)
         self._collective_timeout = float(collective_timeout)
         self._consensus_every = consensus_every
@@ -134,55 +153,34 @@ class LocalStepsStrategy(DDPStrategy):
         self._cpu_threads = cpu_threads
         self._layout: FlatLayout | None = None
         self._transport: GossipTransport | None = None
-        self._work: Tensor | None = None  # one flat model-size scratch vector, reused every round
+        self._consensus: ConsensusSwap | None = None
         self._float_scratch: Tensor | None = None  # the average's buffer when messages are not float32
-        self._round_index = 0
-        self._steps_in_round = 0
+        self._round_start_buffers: Tensor | None = None  # exchanged buffers as the round started
         self._consensus_distance: float | None = None
-        self._local_backup: Tensor | None = None  # local replica while the consensus model is swapped in
-        self._on_nonfinite = on_nonfinite
-        self._ranks_per_worker = ranks_per_worker
-        self._worker_group: dist.ProcessGroup | None = None
-        self._max_skipped_rounds = max_skipped_rounds
-        self._consecutive_skips = 0
-        self._skipped_rounds = 0
-        self._rejected_exchanges = 0
-        self._warned_peers: set[int] = set()
+        self._has_fit = False
         self._pending_rng: dict[str, Any] | None = None
         self._restored_per_rank_state = False
+        self._trust_checkpoint_code = trust_checkpoint_code
 
     # ------------------------------------------------------------------ properties
     @property
     def inner_steps(self) -> int:
         """H_i, the optimizer steps this rank applies per round."""
-        if isinstance(self._inner_steps, int):
-            return self._inner_steps
-        return self._inner_steps[self.global_rank]
+        return self._schedule.inner_steps(self.global_rank)
 
     @property
     def round_length(self) -> int:
         """Steps of the training loop per round: max over ranks of H_i (identical on every rank)."""
-        return self._inner_steps if isinstance(self._inner_steps, int) else max(self._inner_steps)
-
-    def _check_inner_steps(self, world_size: int) -> None:
-        if self._network is not None:
-            self._network.check_world_size(world_size // self._ranks_per_worker)
-        if self._inner_steps == "auto":  # one H_i per worker, repeated for each of its ranks
-            per_worker = self._network.auto_inner_steps(self._fastest_inner_steps)
-            self._inner_steps = [per_worker[rank // self._ranks_per_worker] for rank in range(world_size)]
-        if not isinstance(self._inner_steps, int) and len(self._inner_steps) != world_size:
-            raise ValueError(
-                f"inner_steps has {len(self._inner_steps)} values (one H_i per rank) but the world size is {world_size}"
-            )
+        return self._schedule.round_length
 
     @property
     def round_index(self) -> int:
         """Rounds completed so far (the next round's index t)."""
-        return self._round_index
+        return self._schedule.round_index
 
     @property
     def steps_in_round(self) -> int:
-        return self._steps_in_round
+        return self._schedule.steps_in_round
 
     @property
     def bytes_sent(self) -> int:
@@ -206,30 +204,30 @@ class LocalStepsStrategy(DDPStrategy):
     @property
     def sim_time(self) -> float | None:
         """This worker's simulated clock, in seconds (None without a network model)."""
-        return self._clock.time if self._clock is not None else None
+        return self._round_clock.time if self._round_clock is not None else None
 
     @property
     def throttled_seconds(self) -> float:
         """Real seconds slept so far for the network's ``throttle`` (0 without one)."""
-        return self._throttle.slept if self._throttle is not None else 0.0
+        return self._round_clock.throttled_seconds if self._round_clock is not None else 0.0
 
     @property
     def ranks_per_worker(self) -> int:
-        return self._ranks_per_worker
+        return self._workers.ranks_per_worker
 
     @property
     def num_workers(self) -> int:
         """Workers that gossip: world size / ranks_per_worker."""
-        return self.world_size // self._ranks_per_worker
+        return self._workers.num_workers(self.world_size)
 
     @property
     def worker_index(self) -> int:
-        return self.global_rank // self._ranks_per_worker
+        return self._workers.worker_of(self.global_rank)
 
     @property
     def is_worker_leader(self) -> bool:
         """Whether this rank exchanges for its worker (the worker's first rank)."""
-        return self.global_rank % self._ranks_per_worker == 0
+        return self._workers.is_leader(self.global_rank)
 
     @property
     def transport(self) -> GossipTransport:
@@ -240,12 +238,12 @@ class LocalStepsStrategy(DDPStrategy):
     @property
     def skipped_rounds(self) -> int:
         """Rounds this worker discarded because its own point was not finite."""
-        return self._skipped_rounds
+        return self._guard.skipped_rounds
 
     @property
     def rejected_exchanges(self) -> int:
         """Messages from peers this worker rejected because they were not finite."""
-        return self._rejected_exchanges
+        return self._guard.rejected_exchanges
 
     @property
     @override
@@ -255,21 +253,38 @@ class LocalStepsStrategy(DDPStrategy):
 
     @property
     def consensus_swapped_in(self) -> bool:
-        return self._local_backup is not None
+        return self._consensus is not None and self._consensus.swapped_in
+
+    @property
+    def message_dtype(self) -> torch.dtype:
+        """The dtype of the points on the wire (float32 here; GASLoC may send bfloat16)."""
+        return torch.float32
 
     # ------------------------------------------------------------------ set-up
     @override
-    def setup_environment(self) -> None:
-        self._set_cpu_threads()
-        super().setup_environment()
+    def _configure_launcher(self) -> None:
+        # The world size is known here, in the main process, before any worker is launched:
+        # configuration errors surface at Trainer(...) instead of inside every child.
+        self.check_configuration(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+        if self._start_method == "popen":
+            self._launcher = StoppingSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
-    def _set_cpu_threads(self) -> None:
-        if self._cpu_threads is None or self.root_device.type != "cpu":
-            return
-        threads = self._cpu_threads
-        if threads == "auto":
-            threads = max(1, (os.cpu_count() or 1) // max(1, self.num_processes))
-        torch.set_num_threads(threads)
+    def check_configuration(self, world_size: int) -> None:
+        """Refuse configurations that cannot work with ``world_size`` ranks."""
+        self._workers.check_world_size(world_size)
+        if self._network is not None:
+            self._network.check_world_size(self._workers.num_workers(world_size))
+        self._schedule.resolve(world_size, self._workers.ranks_per_worker)
+
+    @override
+    def setup_environment(self) -> None:
+        exit_with_parent()
+        if self._cpu_threads == "auto":
+            _set_num_threads_if_needed(self.num_processes)  # what Lightning's launchers do; no-op if done
+        elif self._cpu_threads is not None and self.root_device.type == "cpu":
+            torch.set_num_threads(self._cpu_threads)
+        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -278,95 +293,76 @@ class LocalStepsStrategy(DDPStrategy):
                 f"{type(self).__name__} does not support sync_batchnorm=True: replicas differ by design and "
                 "BatchNorm statistics are mixed by gossip instead. Remove sync_batchnorm from the Trainer."
             )
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self._layout = FlatLayout(self.model)
-        self._work = self._layout.new_buffer()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        replicas = self._keep_replicas_through_setup(fitting)
+        super().setup(trainer)  # DDPStrategy's: configure_ddp (below) when fitting, else rank 0's weights
+        if not fitting:
+            self._build_layout()
+            if replicas is not None:  # evaluating after a fit: the replicas stay as fit left them
+                self.layout.scatter(replicas.to(self.layout.device))
+        if fitting:
+            self._check_optimizers()
+            self._schedule.reset()
+            self._init_outer_state()
+            self._remember_round_start_buffers()
+            move_sigterm_check(trainer, lambda: self._schedule.at_round_start)
+            self._start_clock()
+            self._has_fit = True
+        self._attach_callback(trainer)
+
+    def _keep_replicas_through_setup(self, fitting: bool) -> Tensor | None:
+        """DDPStrategy's setup gives every rank rank 0's weights when not fitting: right for a fresh model,
+        wrong after a fit that kept distinct replicas. Returns a copy to restore in that case."""
+        if fitting or not self._has_fit or self._layout is None:
+            return None
+        return self._layout.gather(torch.empty(self._layout.numel, dtype=torch.float32))
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DDP wrapper between workers (no gradient all-reduce); inside a worker of several ranks, DDP."""
+        self._build_layout()
+        self._broadcast_initial_weights()
+        if self._workers.create(self.world_size, self.global_rank) is not None:
+            self._ddp_kwargs["process_group"] = self._workers.group
+            super().configure_ddp()
+
+    def _build_layout(self) -> None:
+        self._layout = FlatLayout(self.lightning_module)
         self._transport = GossipTransport(
             self._layout.numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None,
             dtype=self.message_dtype,
         )
+        self._consensus = ConsensusSwap(self._layout, self._replica_mean, self._drain_exchanges)
         self._check_same_model_on_every_rank()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._broadcast_initial_weights()
-            self._wrap_inside_worker()
-            self.setup_optimizers(trainer)
-            self._check_optimizers()
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-            self._round_index, self._steps_in_round = 0, 0
-            self._init_outer_state()
-            self._move_sigterm_check_to_round_boundaries(trainer)
-            if self._network is not None:
-                self._clock = SimulatedClock(self._network, rank=self.worker_index)
-                self._throttle = Throttle(self._clock, self._network.throttle)
-        self._attach_callback(trainer)
-
-    def _move_sigterm_check_to_round_boundaries(self, trainer: pl.Trainer) -> None:
-        """Lightning broadcasts a SIGTERM flag from rank 0 before every training step: a global
-        collective that would make every worker wait for the slowest one at every step. We keep the
-        check (all ranks still stop together on SIGTERM) but run it only when a round starts."""
-        epoch_loop = trainer.fit_loop.epoch_loop
-        original = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
-        if original is None or getattr(original, "_gasloc_round_boundaries", False):
-            return
-
-        def sigterm_check_at_round_start() -> None:
-            if self._steps_in_round == 0:
-                original()
-
-        sigterm_check_at_round_start._gasloc_round_boundaries = True  # type: ignore[attr-defined]
-        epoch_loop._broadcast_sigterm_tensor = sigterm_check_at_round_start
-
-    @override
-    def configure_ddp(self) -> None:
-        """No DDP wrapper: there is no gradient all-reduce between rounds."""
 
     def _check_same_model_on_every_rank(self) -> None:
+        """Ranks compare a hash of their exchanged tensors' names, shapes and dtypes (integers in a tensor:
+        no rank unpickles another's bytes)."""
         if self.world_size <= 1:
             return
-        signature = self.layout.signature(self.lightning_module)
-        signatures: list[Any] = [None] * self.world_size
-        dist.all_gather_object(signatures, signature)
-        for rank, other in enumerate(signatures):
-            if other != signatures[0]:
+        digest = [self.layout.signature_digest(), self.layout.numel]
+        mine = torch.tensor(digest, dtype=torch.int64, device=self.root_device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        for rank, other in enumerate(every):
+            if not torch.equal(other, every[0]):
                 raise RuntimeError(
-                    f"rank {rank} holds a different model than rank 0 (names, shapes or dtypes of the "
-                    f"exchanged tensors differ: {_first_difference(signatures[0], other)}); every rank must "
-                    "build the same architecture before any exchange"
+                    f"rank {rank} holds a different model than rank 0 (the names, shapes or dtypes of the exchanged "
+                    f"tensors differ: {int(other[1])} against {int(every[0][1])} elements); every rank must build "
+                    "the same architecture before any exchange"
                 )
 
     def _broadcast_initial_weights(self) -> None:
         """All replicas start from rank 0's weights: one broadcast of the flat vector."""
         if self.world_size <= 1:
             return
-        flat = self.layout.gather(self._work)
+        flat = self.layout.read()
         dist.broadcast(flat, src=0)
         self.layout.scatter(flat)
 
-    def _wrap_inside_worker(self) -> None:
-        """With k ranks per worker: DDP (gradient all-reduce) inside each worker's process group."""
-        if self._ranks_per_worker == 1:
-            return
-        k = self._ranks_per_worker
-        # new_group is collective: every rank creates every worker's group, in the same order.
-        for worker in range(self.num_workers):
-            group = dist.new_group(list(range(worker * k, (worker + 1) * k)))
-            if worker == self.worker_index:
-                self._worker_group = group
-        self._ddp_kwargs["process_group"] = self._worker_group
-        super().configure_ddp()
-
     def broadcast_in_worker(self, *tensors: Tensor) -> None:
         """Copy the worker leader's tensors to the other ranks of its worker (no-op with one rank per worker)."""
-        if self._worker_group is None:
-            return
-        leader = self.worker_index * self._ranks_per_worker
-        for tensor in tensors:
-            dist.broadcast(tensor, src=leader, group=self._worker_group)
+        self._workers.broadcast(self.global_rank, *tensors)
 
     def _check_optimizers(self) -> None:
         if len(self.optimizers) != 1:
@@ -376,56 +372,42 @@ class LocalStepsStrategy(DDPStrategy):
             )
 
     def _attach_callback(self, trainer: pl.Trainer) -> None:
-        from gasloc_lightning.strategies.callbacks import GASLoCCallback
-        from lightning.pytorch.callbacks import Checkpoint
-
-        if any(isinstance(cb, GASLoCCallback) for cb in trainer.callbacks):
+        callback_type = self.round_callback_type()
+        if callback_type is None or any(isinstance(cb, callback_type) for cb in trainer.callbacks):
             return
         # Before checkpoint callbacks: the local replicas must be back in place when they save.
         position = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), None)
-        trainer.callbacks.insert(len(trainer.callbacks) if position is None else position, GASLoCCallback())
+        trainer.callbacks.insert(len(trainer.callbacks) if position is None else position, callback_type())
+
+    @classmethod
+    def round_callback_type(cls) -> type[pl.Callback] | None:
+        """The callback that logs rounds and evaluates the consensus, added when the user has none
+        (registered by :mod:`gasloc_lightning.strategies.callbacks`, which sits above this module)."""
+        return _round_callback[0]
 
     def _init_outer_state(self) -> None:
         """Create the per-worker outer state from the (now identical) live parameters."""
 
-    @property
-    def message_dtype(self) -> torch.dtype:
-        """The dtype of the points on the wire (float32 here; GASLoC may send bfloat16)."""
-        return torch.float32
+    def _start_clock(self) -> None:
+        self._round_clock = None
+        if self._network is not None:
+            self._round_clock = RoundClock(self._network, worker=self.worker_index, device=self.root_device)
 
     def _clock_all_reduce(self) -> None:
-        """An all-reduce round in simulated time: it starts at the largest clock."""
-        if self._clock is None:
-            return
-        latest = torch.tensor([self._clock.time], dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(latest, op=dist.ReduceOp.MAX)
-        self._clock.all_reduce(max_clock=float(latest.item()))
+        """An all-reduce round in simulated time (a collective when there is a clock)."""
+        if self._round_clock is not None:
+            self._round_clock.on_all_reduce()
 
     def _clock_tensor(self) -> Tensor:
-        time = self._clock.time if self._clock is not None else 0.0
-        return torch.tensor([time], dtype=torch.float64, device=self.root_device)
+        if self._round_clock is not None:
+            return self._round_clock.tensor()
+        return torch.zeros(1, dtype=torch.float64, device=self.root_device)
 
     def _drain_exchanges(self) -> None:
         """Hook: finish any exchange still in flight before the message or receive buffers are reused."""
 
     def _flush_exchanges(self) -> None:
         """Hook: at the end of training, fold in whatever is still in flight."""
-
-    @override
-    def _configure_launcher(self) -> None:
-        # The world size is known here, in the main process, before any worker is launched:
-        # configuration errors surface at Trainer(...) instead of inside every child.
-        self.check_configuration(self.num_nodes * self.num_processes)
-        super()._configure_launcher()
-
-    def check_configuration(self, world_size: int) -> None:
-        """Refuse configurations that cannot work with ``world_size`` ranks."""
-        self._check_inner_steps(world_size)
-        if world_size % self._ranks_per_worker:
-            raise ValueError(
-                f"{world_size} ranks are not divisible by ranks_per_worker={self._ranks_per_worker}: every worker "
-                "needs the same number of ranks"
-            )
 
     # ------------------------------------------------------------------ the round
     @override
@@ -436,63 +418,60 @@ class LocalStepsStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._steps_in_round < self.inner_steps:
+        if self._schedule.applies_step(self.global_rank):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            if self._clock is not None:
-                self._clock.advance_compute(1)
+            if self._round_clock is not None:
+                self._round_clock.on_inner_step()
         else:  # this worker has done its H_i steps: compute (Lightning needs the closure run), do not apply
             output = closure()
         # Counted after the precision plugin, whether or not it skipped the update: rounds stay aligned.
-        self._steps_in_round += 1
-        if self._steps_in_round >= self.round_length:
+        if self._schedule.count_step():
             self.end_round()
         return output
 
     def end_round(self) -> None:
         """Run the communication round now (every rank must call this at the same step)."""
         self._communicate()
-        if self._throttle is not None:
-            self._throttle()
-        self._round_index += 1
-        self._steps_in_round = 0
-        if self._consensus_every and self._round_index % self._consensus_every == 0:
+        self._remember_round_start_buffers()
+        if self._round_clock is not None:
+            self._round_clock.on_round_end()
+        self._schedule.finish_round()
+        if self._consensus_every and self.round_index % self._consensus_every == 0:
             self._consensus_distance = self.measure_consensus_distance()
 
     def finish_pending_round(self) -> bool:
         """Run a final, shorter round if steps were taken since the last one, then fold in any exchange
         still in flight (end of training). Returns whether a final round ran."""
-        ran = self._steps_in_round > 0
+        ran = not self._schedule.at_round_start
         if ran:
             self.end_round()
         self._flush_exchanges()
-        if self._throttle is not None:
-            self._throttle()
+        if self._round_clock is not None:
+            self._round_clock.on_round_end()
         return ran
 
     def _communicate(self) -> None:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ bad points
+    def _where(self) -> str:
+        return f"rank {self.global_rank}, round {self.round_index}"
+
     def _guard_local_point(self, message: Tensor, round_start: Tensor) -> None:
         """Before sending: a non-finite local point never leaves this worker (see ``on_nonfinite``)."""
-        if all_finite(message):
-            self._consecutive_skips = 0
+        if self._guard.local_point_is_usable(message, self._where()):
             return
-        where = f"rank {self.global_rank}, round {self._round_index}"
-        if self._on_nonfinite == "raise":
-            raise FloatingPointError(f"{where}: the local parameters are not finite (on_nonfinite='raise')")
-        self._consecutive_skips += 1
-        self._skipped_rounds += 1
-        if self._consecutive_skips > self._max_skipped_rounds:
-            raise FloatingPointError(
-                f"{where}: the local parameters were not finite for {self._consecutive_skips} consecutive rounds "
-                f"(max_skipped_rounds={self._max_skipped_rounds}); lower the learning rate or check the data"
-            )
-        log.warning("%s: non-finite local parameters, round discarded (restarting from the round start)", where)
         params, buffers = self.layout.split(message)
         params.copy_(round_start)
-        torch.nan_to_num_(buffers, nan=0.0, posinf=0.0, neginf=0.0)
+        buffers.copy_(self._round_start_buffers)  # restored, never "repaired"
         self._zero_nonfinite_optimizer_state()
+
+    def _remember_round_start_buffers(self) -> None:
+        """Keep the exchanged buffers as a round starts: a discarded round restores them."""
+        _, buffers = self.layout.split(self.layout.read())
+        if self._round_start_buffers is None:
+            self._round_start_buffers = torch.empty_like(buffers)
+        self._round_start_buffers.copy_(buffers)
 
     def _zero_nonfinite_optimizer_state(self) -> None:
         for optimizer in self.optimizers:
@@ -503,20 +482,7 @@ class LocalStepsStrategy(DDPStrategy):
 
     def _accept(self, received: list[tuple[float, Tensor]], peers: list[int]) -> list[tuple[float, Tensor]]:
         """Drop non-finite messages: the worker keeps its own point for that peer's share this round."""
-        accepted = []
-        for (weight, message), peer in zip(received, peers):
-            if all_finite(message):
-                accepted.append((weight, message))
-                continue
-            self._rejected_exchanges += 1
-            if peer not in self._warned_peers:
-                self._warned_peers.add(peer)
-                log.warning(
-                    "rank %d: rejected a non-finite message from peer %d in round %d (kept its own point for that "
-                    "share; the replicas' mean moves this round); further rejections are counted in "
-                    "comm/rejected_exchanges", self.global_rank, peer, self._round_index,
-                )
-        return accepted
+        return self._guard.accept(received, peers, self._where())
 
     # ------------------------------------------------------------------ consensus
     @torch.no_grad()
@@ -525,7 +491,7 @@ class LocalStepsStrategy(DDPStrategy):
         if self.world_size <= 1:
             return 0.0
         self._drain_exchanges()
-        params, _ = self.layout.split(self.layout.gather(self._work))
+        params, _ = self.layout.split(self.layout.read())
         mean = self._replica_mean(params)
         distance = torch.sub(params, mean, out=mean).pow_(2).sum().reshape(1).double()
         dist.all_reduce(distance)
@@ -545,43 +511,30 @@ class LocalStepsStrategy(DDPStrategy):
         """The average of ``flat`` over every rank (a collective), in the mean buffer."""
         mean = self._mean_buffer()[: flat.numel()]
         mean.copy_(flat)
-        dist.all_reduce(mean)
-        return mean.div_(self.world_size)
+        if self.world_size > 1:
+            dist.all_reduce(mean)
+            mean.div_(self.world_size)
+        return mean
 
-    @torch.no_grad()
     def swap_in_consensus(self) -> None:
         """Replace every replica by the average of all replicas (a collective); ``restore_local`` undoes it."""
-        if self._local_backup is not None:
-            return
-        self._drain_exchanges()
-        self._local_backup = self.layout.gather(self._work)
-        if self.world_size > 1:
-            self.layout.scatter(self._replica_mean(self._local_backup))
+        self._consensus.swap_in()
 
-    @torch.no_grad()
     def show_local(self) -> None:
         """While the consensus is swapped in: put the local replica back temporarily (no communication)."""
-        if self._local_backup is not None:
-            self.layout.scatter(self._local_backup)
+        self._consensus.show_local()
 
-    @torch.no_grad()
     def show_consensus(self) -> None:
-        """Undo ``show_local`` (the average is still in its buffer)."""
-        if self._local_backup is not None and self.world_size > 1:
-            self.layout.scatter(self._mean_buffer())
+        """Undo ``show_local``."""
+        self._consensus.show_consensus()
 
-    @torch.no_grad()
     def restore_local(self) -> None:
-        if self._local_backup is not None:
-            self.layout.scatter(self._local_backup)
-            self._local_backup = None
+        if self._consensus is not None:
+            self._consensus.restore()
 
-    @torch.no_grad()
     def average_replicas(self) -> None:
         """Make every replica the consensus model for good (end of fit)."""
-        self.restore_local()
-        self.swap_in_consensus()
-        self._local_backup = None
+        self._consensus.make_permanent()
         self._on_replicas_averaged()
 
     def _on_replicas_averaged(self) -> None:
@@ -592,26 +545,22 @@ class LocalStepsStrategy(DDPStrategy):
         """Everything the strategy needs to resume this rank exactly."""
         counters = self._transport.counters.state_dict() if self._transport else {}
         return {
-            "round_index": self._round_index,
-            "steps_in_round": self._steps_in_round,
+            **self._schedule.state_dict(),
+            **self._guard.state_dict(),
             "counters": counters,
             "consensus_distance": self._consensus_distance,
-            "skipped_rounds": self._skipped_rounds,
-            "consecutive_skips": self._consecutive_skips,
-            "rejected_exchanges": self._rejected_exchanges,
-            "clock": self._clock.state_dict() if self._clock is not None else None,
+            "round_start_buffers": None if self._round_start_buffers is None else self._round_start_buffers.clone(),
+            "clock": self._round_clock.state_dict() if self._round_clock is not None else None,
         }
 
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
-        self._round_index = int(state["round_index"])
-        self._steps_in_round = int(state["steps_in_round"])
+        self._schedule.load_state_dict(state)
+        self._guard.load_state_dict(state)
         self._consensus_distance = state.get("consensus_distance")
-        self._skipped_rounds = int(state.get("skipped_rounds", 0))
-        self._consecutive_skips = int(state.get("consecutive_skips", 0))
-        self._rejected_exchanges = int(state.get("rejected_exchanges", 0))
-        if self._clock is not None and state.get("clock") is not None:
-            self._clock.load_state_dict(state["clock"])
-            self._throttle = Throttle(self._clock, self._network.throttle)  # sleep only for what follows
+        if state.get("round_start_buffers") is not None and self._round_start_buffers is not None:
+            self._round_start_buffers.copy_(state["round_start_buffers"])
+        if self._round_clock is not None and state.get("clock") is not None:
+            self._round_clock.load_state_dict(state["clock"])
         if self._transport and state.get("counters"):
             self._transport.counters.load_state_dict(state["counters"])
 
@@ -625,39 +574,47 @@ class LocalStepsStrategy(DDPStrategy):
         return super().lightning_module_state_dict()
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """A :class:`~gasloc_lightning.plugins.per_rank_io.PerRankCheckpointIO`, possibly wrapped (``AsyncCheckpointIO``)."""
+        self._checkpoint_io = resolve_checkpoint_io(self._checkpoint_io)
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = resolve_checkpoint_io(io)  # Trainer(plugins=[...]) sets it here
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any | None = None
     ) -> None:
-        """Every rank writes its own file of a checkpoint directory; rank 0 adds the shared part and, last, meta.json."""
-        directory = Path(filepath)
-        if self.is_global_zero:
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / ckpt.META_FILE).unlink(missing_ok=True)  # incomplete until rewritten below
-        self.barrier("gasloc.save_checkpoint.start")
-        directory.mkdir(parents=True, exist_ok=True)  # per-node disks: every node makes its own
+        """Every rank writes its own file of a per-rank checkpoint directory through ``checkpoint_io``."""
         self._drain_exchanges()
+        # Rank 0's random id marks this save's files, so a reader can tell a complete directory.
+        save_id = torch.tensor([secrets.randbits(62) if self.is_global_zero else 0], device=self.root_device)
+        if dist.is_initialized():
+            dist.broadcast(save_id, src=0)
         checkpoint = dict(checkpoint)
-        checkpoint["gasloc"] = {"strategy": self.strategy_state_dict(), "rng": ckpt.capture_rng_states()}
-        shared, own = ckpt.split_checkpoint(checkpoint)
-        ckpt.atomic_save(own, ckpt.rank_file(directory, self.global_rank))
-        if self.is_global_zero:
-            ckpt.atomic_save(shared, directory / ckpt.SHARED_FILE)
-        self.barrier("gasloc.save_checkpoint.written")
-        if self.is_global_zero:
-            ckpt.write_meta(directory, self.world_size, int(checkpoint.get("global_step", 0)))
+        checkpoint["gasloc"] = {"rank": self.global_rank, "world_size": self.world_size, "save_id": int(save_id),
+                                "strategy": self.strategy_state_dict(), "rng": ckpt.rng_state_dict()}
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-        """A per-rank directory restores this rank's own state; a single-file checkpoint loads as usual."""
-        if not ckpt.is_per_rank_checkpoint(checkpoint_path):
-            self._restored_per_rank_state = False
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint = ckpt.load_rank_checkpoint(checkpoint_path, self.global_rank, self.world_size)
-        gasloc = checkpoint.pop("gasloc")
-        self.load_strategy_state_dict(gasloc["strategy"])
-        self._pending_rng = gasloc["rng"]
-        self._restored_per_rank_state = True
+        """A per-rank directory restores this rank's own state; a single-file checkpoint loads as usual.
+        Either loads safely unless ``trust_checkpoint_code=True`` or ``weights_only=False``."""
+        if self._trust_checkpoint_code:
+            weights_only = False
+        checkpoint = self.checkpoint_io.load_checkpoint(
+            checkpoint_path, weights_only=weights_only, rank=self.global_rank, world_size=self.world_size
+        )
+        gasloc = checkpoint.pop("gasloc", None)
+        self._restored_per_rank_state = gasloc is not None
+        if gasloc is not None:
+            self.load_strategy_state_dict(gasloc["strategy"])
+            self._pending_rng = gasloc["rng"]
         return checkpoint
 
     @override
@@ -671,18 +628,26 @@ class LocalStepsStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         # RNG states are restored last, right before the first resumed step draws from them.
         if self._pending_rng is not None:
-            ckpt.restore_rng_states(self._pending_rng)
+            ckpt.load_rng_state_dict(self._pending_rng)
             self._pending_rng = None
 
     @override
     def teardown(self) -> None:
-        self._local_backup = None
+        self.restore_local()
         super().teardown()
         if multiprocessing.parent_process() is not None and dist.is_initialized():
             # A spawned or forked worker exits right after this. Left to the interpreter's shutdown,
             # the gloo process group was seen to abort a worker ("terminate called without an active
             # exception") once in a CI run; destroying it here is local, so it cannot hang.
             dist.destroy_process_group()
+
+
+_round_callback: list[type[pl.Callback] | None] = [None]
+
+
+def use_round_callback(callback_type: type[pl.Callback]) -> None:
+    """Set the callback every ``LocalStepsStrategy`` adds to a Trainer that has none of that type."""
+    _round_callback[0] = callback_type
 
 
 def _register_variants(strategy_registry: Any, cls: type, prefix: str, description: str) -> None:
@@ -694,18 +659,6 @@ def _register_variants(strategy_registry: Any, cls: type, prefix: str, descripti
             )
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
 def _check_positive_number(name: str, value: Any) -> None:
     if not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
-
-
-def _first_difference(expected: list, actual: list) -> str:
-    for a, b in zip(expected, actual):
-        if a != b:
-            return f"rank 0 has {a}, the other has {b}"
-    return f"rank 0 has {len(expected)} tensors, the other has {len(actual)}"

@@ -1,0 +1,110 @@
+"""No worker outlives its launcher, and no launcher leaves a worker behind.
+
+- :class:`StoppingSubprocessLauncher` is Lightning's subprocess launcher (``start_method="popen"``)
+  that, when the launching process fails for any reason (an exception, Ctrl-C), stops every
+  worker process it started: SIGTERM, then SIGKILL after a grace period, by pid.
+- :func:`exit_with_parent` makes a worker exit when the process that launched it is gone (it was
+  killed, say): Linux's parent-death signal where available, and a watchdog thread on the parent's
+  pid everywhere.
+
+A failing worker other than the launching one is already handled by Lightning: its process observer
+stops the others within a few seconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+log = logging.getLogger(__name__)
+
+LAUNCHER_PID_ENV = "GASLOC_LAUNCHER_PID"
+_WATCHDOG_PERIOD_S = 1.0
+_PR_SET_PDEATHSIG = 1
+
+
+class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher that stops the workers it started when the launching process fails.
+
+    Args:
+        cluster_environment, num_processes, num_nodes: as Lightning's ``_SubprocessScriptLauncher``.
+        grace_s: seconds a worker gets after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, *args: Any, grace_s: float = 5.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.grace_s = grace_s
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            self.stop_workers()
+            raise
+
+    def _call_children_scripts(self) -> None:
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # only the workers started here inherit it
+        try:
+            super()._call_children_scripts()
+        finally:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+
+    def stop_workers(self) -> None:
+        """Stop every worker process still running: SIGTERM, then SIGKILL after ``grace_s``."""
+        running = [proc for proc in self.procs if proc.poll() is None]
+        for proc in running:
+            log.info("stopping worker process pid=%d", proc.pid)
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def exit_with_parent() -> None:
+    """In a worker process: exit when the process that launched it is gone. A no-op in a launching process."""
+    parent = _launching_parent()
+    if parent is None:
+        return
+    _set_parent_death_signal()
+    if os.getppid() != parent:  # gone before the signal was armed
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), name="gasloc-parent-watchdog", daemon=True).start()
+
+
+def _launching_parent() -> int | None:
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is not None and int(launcher) != os.getpid():
+        return int(launcher)
+    parent = multiprocessing.parent_process()  # spawn and fork workers
+    return parent.pid if parent is not None else None
+
+
+def _set_parent_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl: the watchdog still works
+        pass
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_WATCHDOG_PERIOD_S)
+    log.error("the launching process (pid %d) is gone: this worker exits", parent)
+    os._exit(1)
