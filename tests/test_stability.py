@@ -288,19 +288,20 @@ def test_overlap_simulation_is_the_per_worker_update_and_keeps_the_mean(form):
 
 
 def test_overlap_false_is_unchanged():
-    """Golden values computed before overlap existed: the default path must not move.
+    """Golden values of the overlap-free path: it must not move. The random schedules' values were
+    recomputed once when matchings moved to the torch.Generator stream (issue 11, item 9).
 
     To 1e-12 relative, not bit for bit: eigensolvers and matrix products round differently on
     different CPUs (the ring's rate moves in its last digit from one machine to another)."""
     golden = pytest.approx
-    assert OnePeerTopology(seed=3).consensus_rate(16, 0.9) == golden(0.8569240135745664, rel=1e-12)
+    assert OnePeerTopology(seed=3).consensus_rate(16, 0.9) == golden(0.8685360162357443, rel=1e-12)
     assert build_topology("two_peer", seed=3).consensus_rate(8, 0.44, "post_mix") == golden(
-        0.5615494838607412, rel=1e-12
+        0.5585266397396806, rel=1e-12
     )
     assert RingTopology().consensus_rate(16, 0.9) == golden(0.930454614492335, rel=1e-12)
     assert ExponentialTopology().consensus_rate(32, 0.9) == golden(1.0292956604086427, rel=1e-12)
     trajectory = disagreement_trajectory(schedule("one_peer", 16, seed=3), 16, 0.9, rounds=50)
-    assert float(trajectory[-1]) == golden(0.0006221462803707022, rel=1e-9)
+    assert float(trajectory[-1]) == golden(0.001856811878754767, rel=1e-9)
     sample = schedule("one_peer", 16, seed=3)
     short = {"rounds": 30, "seeds": (0,)}
     assert consensus_rate_simulated(sample, 16, 0.9, **short) == consensus_rate_simulated(

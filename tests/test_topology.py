@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from gasloc_lightning.topology import (
     build_topology,
     torus_shape,
 )
+from gasloc_lightning.topology.matchings import stream_seed
 
 NAMED = ["one_peer", "two_peer", "ring", "torus", "exponential", "complete", "local"]
 SIZES = [1, 2, 3, 4, 5, 6, 8, 9, 12, 16]
@@ -87,10 +91,62 @@ def test_random_schedules_are_seeded_and_vary(name):
     assert views(name, n, 0, seed=1) != views(name, n, 0, seed=2)
 
 
-def test_one_peer_schedule_is_pinned():
-    """A golden fixture: changing how matchings are drawn breaks resumed and mixed-version runs."""
-    partners = [next(iter(OnePeerTopology(seed=0).mixing_weights(i, 8, 0))) for i in range(8)]
-    assert partners == [5, 4, 3, 2, 1, 0, 7, 6]
+FIXTURE = Path(__file__).parent / "fixtures" / "matchings.json"
+# The schedules pinned by the fixture: (topology, its arguments), each drawn for n = 8 and 16.
+PINNED = {
+    "one_peer": ("one_peer", {"seed": 0}),
+    "two_peer": ("two_peer", {"seed": 0}),
+    "bandwidth_aware_concentrated": ("bandwidth_aware", {"slow_link_rate": 0.25, "schedule": "concentrated"}),
+    "bandwidth_aware_spread": ("bandwidth_aware", {"slow_link_rate": 0.25, "schedule": "spread"}),
+}
+PINNED_ROUNDS = 6
+
+
+def _pinned_rounds(key: str, n: int) -> list[list[list[int]]]:
+    """Every rank's sorted peers in the first rounds (4 clusters of n / 4 ranks for bandwidth_aware)."""
+    name, arguments = PINNED[key]
+    if name == "bandwidth_aware":
+        topology = BandwidthAwareTopology.from_clusters([n // 4] * 4, seed=0, **arguments)
+    else:
+        topology = build_topology(name, **arguments)
+    return [[sorted(topology.mixing_weights(rank, n, t)) for rank in range(n)] for t in range(PINNED_ROUNDS)]
+
+
+def _draw_fixture() -> dict:
+    rounds = {key: {str(n): _pinned_rounds(key, n) for n in (8, 16)} for key in PINNED}
+    return {"about": "peers of every rank in rounds 0..5; regenerate only on purpose: "
+                     "python tests/test_topology.py --regenerate-matchings", "rounds": rounds}
+
+
+@pytest.mark.parametrize("key", sorted(PINNED))
+@pytest.mark.parametrize("n", [8, 16])
+def test_schedule_is_pinned_by_the_golden_fixture(key, n):
+    """Changing how matchings are drawn (a torch upgrade, a refactor) breaks resumed and mixed-version runs."""
+    expected = json.loads(FIXTURE.read_text())["rounds"][key][str(n)]
+    assert _pinned_rounds(key, n) == expected
+
+
+def test_round_seeds_follow_the_documented_integer_formula():
+    """SplitMix64 folded over (stream id, seed, n, t): an independent re-implementation agrees."""
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    state = 0
+    for part in (1, 7, 16, 3):  # one_peer is stream 1
+        state = mix(state ^ part)
+    assert stream_seed("one_peer", 7, 16, 3) == state
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(state)).tolist()
+    partners = {a: b for a, b in zip(order[0::2], order[1::2])} | {b: a for a, b in zip(order[0::2], order[1::2])}
+    assert [next(iter(OnePeerTopology(seed=7).mixing_weights(i, 16, 3))) for i in range(16)] == [
+        partners[i] for i in range(16)
+    ]
+    with pytest.raises(ValueError, match="stream must be one of"):
+        stream_seed("one-peer", 7, 16, 3)
 
 
 def test_one_peer_matchings_are_uniform():
@@ -423,12 +479,13 @@ def test_bandwidth_aware_peers_agree_across_ranks_without_coordination():
     assert mine != [partners(other_seed, n, t) for t in range(rounds)]
 
 
-def test_bandwidth_aware_schedule_is_pinned():
-    """A golden fixture: changing how rounds are drawn breaks resumed and mixed-version runs."""
+def test_bandwidth_aware_concentrated_rounds_cross_at_the_set_rate():
     topology = BandwidthAwareTopology.from_clusters([4, 4], slow_link_rate=0.2, seed=0)
-    assert [topology.is_cross_round(t) for t in range(6)] == [True, False, False, True, False, False]
-    assert partners(topology, 8, 0) == [4, 6, 7, 5, 0, 3, 1, 2]
-    assert partners(topology, 8, 1) == [2, 3, 0, 1, 5, 4, 7, 6]
+    crossings = [topology.is_cross_round(t) for t in range(2000)]
+    assert sum(crossings) / len(crossings) == pytest.approx(0.2, abs=0.03)
+    for t in range(20):
+        peers = partners(topology, 8, t)
+        assert any(topology.is_slow_link(i, p) for i, p in enumerate(peers)) == crossings[t]
 
 
 @pytest.mark.parametrize("schedule", ["concentrated", "spread"])
@@ -470,7 +527,8 @@ def test_bandwidth_aware_singletons_lower_the_default():
     topology = BandwidthAwareTopology.from_clusters([1] * 6, slow_link_rate=0.2, seed=2)
     assert topology.consensus_rate(6, 0.9) > 1.0
     gamma = topology.default_outer_momentum(6)
-    assert gamma == pytest.approx(0.66, abs=0.03) and topology.consensus_rate(6, gamma) < 1.0
+    # The sampled schedule sets it: about 0.69-0.72 over seeds 0-4.
+    assert 0.6 <= gamma <= 0.75 and topology.consensus_rate(6, gamma) < 1.0
 
 
 @pytest.mark.parametrize(("sizes", "rate"), [([4, 4], 0.25), ([4, 4], 0.3), ([3, 3, 2], 0.2), ([4, 2, 2], 0.5),
@@ -500,10 +558,8 @@ def test_bandwidth_aware_spread_rounds_hold_floor_or_ceil_cross_pairs(sizes, rat
     assert 0.0 < gap < 1.0  # connected in expectation
 
 
-def test_bandwidth_aware_spread_schedule_is_pinned():
+def test_bandwidth_aware_spread_with_overlap_is_stable():
     topology = BandwidthAwareTopology.from_clusters([4, 4], slow_link_rate=0.25, schedule="spread")
-    assert partners(topology, 8, 0) == [None, 7, 3, 2, 5, 4, None, 1]
-    assert partners(topology, 8, 1) == [1, 0, 7, None, 5, 4, None, 2]
     assert topology.expected_slow_link_rate(8) == 0.25 and topology.cross_round_probability == 1.0
     assert topology.consensus_rate(8, 0.9, overlap=True) < 1.0
 
@@ -573,3 +629,8 @@ def test_bandwidth_aware_world_size_and_sizes_are_checked():
             BandwidthAwareTopology.from_clusters(sizes)  # type: ignore[arg-type]
     single = BandwidthAwareTopology.from_clusters([1])
     assert single.mixing_weights(0, 1, 0) == {} and single.spectral_gap(1) == 1.0
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--regenerate-matchings"]:
+    FIXTURE.parent.mkdir(exist_ok=True)
+    FIXTURE.write_text(json.dumps(_draw_fixture(), separators=(",", ":")) + "\n")

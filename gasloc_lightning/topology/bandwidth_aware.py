@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import random
 from collections.abc import Hashable, Iterable, Sequence
 from functools import lru_cache
 
@@ -15,7 +14,7 @@ from torch import Tensor
 from gasloc_lightning.algorithm import stability
 
 from gasloc_lightning.topology.base import _is_index, Topology, TopologyError, _DTYPE
-from gasloc_lightning.topology.matchings import _matching_matrix
+from gasloc_lightning.topology.matchings import RoundRandom, _matching_matrix
 
 _SLOW_LINK_RATIO = 2.0
 # Cluster orders enumerated exactly for the expected mixing matrix; beyond, a seeded sample.
@@ -95,17 +94,14 @@ def _bandwidth_aware_partners(
 ) -> tuple[tuple[int, ...], bool]:
     """(partner of every rank, whether the round pairs across clusters); partner[i] == i: sits out."""
     world_size = sum(map(len, members))
-    # A string seed is hashed with sha512: every process draws the same round on its own.
-    rng = random.Random(f"gasloc:bandwidth_aware:{seed}:{world_size}:{round_index}")
-    cross = rng.random() < cross_probability
-    groups = [list(group) for group in members]
-    for group in groups:
-        rng.shuffle(group)
+    rng = RoundRandom("bandwidth_aware", seed, world_size, round_index)
+    cross = rng.uniform() < cross_probability
+    groups = [rng.shuffled(group) for group in members]
     if cross:
         if world_size % 2:  # one uniformly chosen rank sits out, the others pair up
-            sitter = rng.randrange(world_size)
+            sitter = rng.below(world_size)
             groups = [[rank for rank in group if rank != sitter] for group in groups]
-        rng.shuffle(groups)
+        groups = rng.shuffled(groups)
         sequence = [rank for group in groups for rank in group]
         half = len(sequence) // 2
         pairs = list(zip(sequence[:half], sequence[half:]))
@@ -139,19 +135,18 @@ def _spread_partners(
     pair up inside their clusters; an odd remainder leaves one member out.
     """
     world_size = sum(map(len, members))
-    rng = random.Random(f"gasloc:bandwidth_aware:spread:{seed}:{world_size}:{round_index}")
+    rng = RoundRandom("bandwidth_aware:spread", seed, world_size, round_index)
     whole = math.floor(cross_pairs)
-    k = whole + (rng.random() < cross_pairs - whole)
-    groups = [list(group) for group in members]
-    for group in groups:
-        rng.shuffle(group)
+    k = whole + (rng.uniform() < cross_pairs - whole)
+    groups = [rng.shuffled(group) for group in members]
     pairs = []
     for _ in range(k):
-        order = sorted(range(len(groups)), key=lambda c: (-len(groups[c]), rng.random()))
+        ties = rng.uniforms(len(groups))
+        order = sorted(range(len(groups)), key=lambda c: (-len(groups[c]), ties[c]))
         largest, others = order[0], [rank for c in order[1:] for rank in groups[c]]
         if not groups[largest] or not others:
             break
-        partner = rng.choice(others)
+        partner = others[rng.below(len(others))]
         groups[next(c for c in order[1:] if partner in groups[c])].remove(partner)
         pairs.append((groups[largest].pop(), partner))
     return _partners_of(pairs + _pairs_inside(groups), world_size), k > 0
@@ -428,8 +423,8 @@ def _block_orders(present: list[int]) -> list[tuple[int, ...]]:
     first, rest = present[0], present[1:]
     if math.factorial(len(rest)) <= _EXACT_ORDERS_MAX:
         return [(first, *order) for order in itertools.permutations(rest)]
-    rng = random.Random("gasloc:bandwidth_aware:block_orders")
-    return [(first, *rng.sample(rest, len(rest))) for _ in range(_SAMPLED_ORDERS)]
+    rng = RoundRandom("bandwidth_aware:block_orders", 0, len(present), 0)
+    return [(first, *rng.shuffled(rest)) for _ in range(_SAMPLED_ORDERS)]
 
 
 BANDWIDTH_AWARE_SCHEDULES: tuple[str, ...] = ("concentrated", "spread")
