@@ -1,0 +1,192 @@
+"""What GASLoC does at scale: the measurements behind docs/at_scale.md (issue 13).
+
+Parts (``--part``):
+
+- ``acceleration``: rounds for gossip alone (no gradients) to bring the consensus distance down by
+  1e-3, for n = 16 ... 1024 on ring, two_peer, one_peer and exponential; plain gossip (gamma = 0)
+  against the outer momentum (anchored, and post_mix where the graph allows it) with gamma tuned per
+  graph and n on a grid. Rounds come from the project's consensus rate rho
+  (``Topology.consensus_rate``: the asymptotic per-round contraction of the disagreement), as
+  ``ln(1e3) / (2 ln(1 / rho))`` (the distance is a square); at n <= 64 they are also measured
+  directly with the simulator's own round (``GossipRounds``, random start, eta = 1). The exponent
+  of n is a least-squares fit of log(rounds) on log(n).
+- ``quality``, ``churn``: ``gasloc-sim`` runs of the demo preset (tiny GPT, stdlib bytes) at equal
+  tokens per worker; final consensus validation loss, and goodput under churn.
+
+Usage::
+
+    python benchmarks/at_scale.py --part acceleration --out benchmarks/results/at_scale
+    python benchmarks/at_scale.py --part quality --workers 16 --steps 100 --out benchmarks/results/at_scale
+
+Results go to ``<out>/<part>.json`` and a plot ``<out>/<part>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gasloc_lightning.sim import GossipRounds, WorkerClocks
+from gasloc_lightning.topology import build_topology
+
+SIZES = (16, 32, 64, 128, 256, 512, 1024)
+GRAPHS = ("ring", "two_peer", "one_peer", "exponential")
+GAMMAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998)
+REDUCTION = 1e-3
+
+
+def rounds_from_rate(rate: float) -> float:
+    if rate <= 0.0:
+        return 1.0
+    if rate >= 1.0:
+        return math.inf
+    return math.log(1.0 / REDUCTION) / (2.0 * math.log(1.0 / rate))
+
+
+def _rate(graph: str, n: int, gamma: float, form: str) -> float | None:
+    try:
+        return float(build_topology(graph).consensus_rate(n, gamma, form))
+    except (ValueError, NotImplementedError):
+        return None
+
+
+def tuned(graph: str, n: int, form: str) -> dict:
+    """The best gamma of the grid (fewest rounds) for one graph, n and form."""
+    best = {"gamma": None, "rate": None, "rounds": math.inf}
+    for gamma in GAMMAS[1:]:
+        rate = _rate(graph, n, gamma, form)
+        if rate is not None and rounds_from_rate(rate) < best["rounds"]:
+            best = {"gamma": gamma, "rate": rate, "rounds": rounds_from_rate(rate)}
+    return best
+
+
+def measured_rounds(graph: str, n: int, gamma: float, form: str = "anchored", cap: int = 4000, seed: int = 0) -> int:
+    """Rounds of the simulator's own gossip round until the consensus distance is 1e-3 of its start."""
+    start = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).double()
+    rounds = GossipRounds(initial=start.float(), topology=build_topology(graph), outer_lr=1.0, outer_momentum=gamma,
+                          outer_form=form, clocks=WorkerClocks(None, n))
+    points = start.float().clone()
+    initial = float((points - points.mean(0)).pow(2).sum())
+    live = list(range(n))
+    for t in range(cap):
+        rounds.communicate(points, t, live)
+        if float((points - points.mean(0)).pow(2).sum()) <= REDUCTION * initial:
+            return t + 1
+    return cap
+
+
+def exponent(sizes: list[int], rounds: list[float]) -> float | None:
+    pairs = [(math.log(n), math.log(r)) for n, r in zip(sizes, rounds) if math.isfinite(r) and r > 0]
+    if len(pairs) < 2:
+        return None
+    xs, ys = zip(*pairs)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in pairs) / sum((x - mx) ** 2 for x in xs)
+
+
+def acceleration(sizes: tuple[int, ...]) -> dict:
+    result: dict = {"reduction": REDUCTION, "sizes": list(sizes), "graphs": {}}
+    for graph in GRAPHS:
+        rows = []
+        for n in sizes:
+            if graph == "exponential" and n & (n - 1):
+                continue
+            plain = rounds_from_rate(_rate(graph, n, 0.0, "anchored"))
+            row = {"n": n, "plain": plain, "anchored": tuned(graph, n, "anchored"),
+                   "post_mix": tuned(graph, n, "post_mix") if graph in ("ring", "exponential") else None}
+            if n <= 64:
+                row["measured_plain"] = measured_rounds(graph, n, 0.0)
+                gamma = row["anchored"]["gamma"]
+                row["measured_anchored"] = None if gamma is None else measured_rounds(graph, n, gamma)
+            rows.append(row)
+            print(graph, n, plain, row["anchored"], row["post_mix"], flush=True)
+        ns = [r["n"] for r in rows]
+        fits = {"plain": exponent(ns, [r["plain"] for r in rows]),
+                "anchored": exponent(ns, [r["anchored"]["rounds"] for r in rows])}
+        if graph in ("ring", "exponential"):
+            fits["post_mix"] = exponent(ns, [r["post_mix"]["rounds"] for r in rows])
+        result["graphs"][graph] = {"rows": rows, "exponent_of_n": fits}
+    return result
+
+
+def plot_acceleration(result: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 6))
+    axes = figure.add_subplot(1, 1, 1)
+    for graph, data in result["graphs"].items():
+        ns = [r["n"] for r in data["rows"]]
+        line = axes.plot(ns, [r["plain"] for r in data["rows"]], "o-", label=f"{graph} plain")[0]
+        axes.plot(ns, [r["anchored"]["rounds"] for r in data["rows"]], "s--", color=line.get_color(),
+                  label=f"{graph} anchored (tuned gamma)")
+        if data["rows"][0].get("post_mix"):
+            axes.plot(ns, [r["post_mix"]["rounds"] for r in data["rows"]], "^:", color=line.get_color(),
+                      label=f"{graph} post_mix (tuned gamma)")
+    axes.set(xscale="log", yscale="log", xlabel="workers n", ylabel="rounds to cut the consensus distance by 1e-3")
+    axes.legend(fontsize=7)
+    figure.savefig(path, dpi=120)
+
+
+def _sim(overrides: list[str], out: Path) -> dict:
+    command = [str(Path(sys.executable).parent / "gasloc-sim"), "experiment=demo", "data.val_batches=2",
+               "sim.progress_every=0", *overrides, f"output_dir={out}"]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    record = json.loads((out / "summary.json").read_text())
+    return {"overrides": overrides, "val_loss": record["final"]["val_loss"], "goodput": record["sim"]["goodput"],
+            "wall_time_s": record["wall_time_s"], "bytes_sent": record["bytes_sent"],
+            "outer_momentum": record["strategy"]["outer_momentum"]}
+
+
+def quality(workers: int, steps: int) -> dict:
+    base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("diloco", ["strategy=diloco"]), ("one_peer", ["strategy=gasloc", "topology=one_peer"]),
+                            ("two_peer", ["strategy=gasloc", "topology=two_peer"]),
+                            ("ring", ["strategy=gasloc", "topology=ring"]),
+                            ("exponential", ["strategy=gasloc", "topology=exponential"])):
+            runs[name] = _sim(base + extra, Path(tmp) / name)
+            print(name, runs[name], flush=True)
+    return {"workers": workers, "steps": steps, "runs": runs}
+
+
+def churn(workers: int, steps: int) -> dict:
+    base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+            "strategy=gasloc", "topology=one_peer", "sim.mean_downtime_rounds=3", "sim.min_live=2"]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fraction in (0.0, 0.05, 0.1, 0.2):
+            runs[str(fraction)] = _sim(base + [f"sim.down_fraction={fraction}"], Path(tmp) / str(fraction))
+            print(fraction, runs[str(fraction)], flush=True)
+    return {"workers": workers, "steps": steps, "runs": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("acceleration", "quality", "churn"), required=True)
+    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--max-n", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/at_scale"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.part == "acceleration":
+        result = acceleration(tuple(n for n in SIZES if n <= args.max_n))
+        plot_acceleration(result, args.out / "acceleration.png")
+    elif args.part == "quality":
+        result = quality(args.workers, args.steps)
+    else:
+        result = churn(args.workers, args.steps)
+    name = args.part if args.part == "acceleration" else f"{args.part}_n{args.workers}"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Speed of ``gasloc-sim`` against the multi-process runs, side by side, as ratios.
+
+Two measurements (issue 13's targets):
+
+1. At 8 workers: worker-steps per second of ``gasloc-train`` (8 processes) and of ``gasloc-sim``
+   (one process) on the same config; target: the simulator at least 5x.
+2. At 256 workers: the simulator's seconds per step, projected to 1,000 steps; target: at most 30 min.
+
+Usage::
+
+    python benchmarks/sim_speed.py --out benchmarks/results/sim_speed.json [--steps 20] [--big-steps 10]
+
+Each run is a subprocess of the real console scripts (``summary.json``'s ``wall_time_s`` is the
+training loop: the multi-process fit on rank 0, the simulator's loop); total wall times including
+start-up are reported too. No thresholds are asserted: the numbers are for the reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+COMMON = ["experiment=demo", "strategy=gasloc", "trainer.enable_progress_bar=false", "callbacks.lr_monitor=null"]
+
+
+def _run(script: str, overrides: list[str], out: Path) -> dict:
+    command = [str(BIN / script), *COMMON, *overrides, f"output_dir={out}"]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    total = time.perf_counter() - start
+    record = json.loads((out / "summary.json").read_text())
+    steps, workers = record["budget"]["steps"], record["world_size"]
+    return {"script": script, "workers": workers, "steps": steps, "loop_s": record["wall_time_s"], "total_s": total,
+            "worker_steps_per_s": workers * steps / record["wall_time_s"], "val_loss": record["final"]["val_loss"]}
+
+
+def measure(steps: int, big_steps: int, big_workers: int) -> dict:
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+        runs["train_8"] = _run("gasloc-train", [*base, "trainer.devices=8"], Path(tmp) / "train8")
+        runs["sim_8"] = _run("gasloc-sim", [*base, "sim.workers=8"], Path(tmp) / "sim8")
+        big = [f"trainer.max_steps={big_steps}", f"trainer.val_check_interval={big_steps}", "data.val_batches=1"]
+        runs["sim_big"] = _run("gasloc-sim", [*big, f"sim.workers={big_workers}"], Path(tmp) / "simbig")
+    per_step = runs["sim_big"]["loop_s"] / big_steps
+    return {
+        "runs": runs,
+        "ratio_sim_over_train_at_8": runs["sim_8"]["worker_steps_per_s"] / runs["train_8"]["worker_steps_per_s"],
+        "ratio_total_sim_over_train_at_8": runs["train_8"]["total_s"] / runs["sim_8"]["total_s"],
+        "target_ratio_at_8": 5.0,
+        f"projected_minutes_{big_workers}x1000": per_step * 1000 / 60,
+        "target_minutes": 30.0,
+        "ratio_target_over_projected": 30.0 / (per_step * 1000 / 60),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="steps of the 8-worker runs")
+    parser.add_argument("--big-steps", type=int, default=10, help="steps of the large simulated run")
+    parser.add_argument("--big-workers", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    args = parser.parse_args()
+    result = measure(args.steps, args.big_steps, args.big_workers)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
