@@ -155,11 +155,23 @@ def test_concurrent_builds_from_four_processes_leave_one_valid_cache(tmp_path):
     assert all(fingerprint == outcomes[0][1] for _, fingerprint in outcomes)
     reference = ByteDataModule(cache_dir=tmp_path / "reference")
     reference.prepare_data()
-    entries = list((tmp_path / "cache").iterdir())
-    assert [entry.name for entry in entries] == [reference.cache_path.name]  # no lock file left
+    entries = [p for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock"]  # filelock keeps its empty file
+    assert [entry.name for entry in entries] == [reference.cache_path.name]
     # no temporary files left either
     assert sorted(p.name for p in entries[0].iterdir()) == ["fingerprint.json", "train.u8", "val.u8"]
     assert {s: (entries[0] / f"{s}.u8").read_bytes() for s in ("train", "val")} == cached_bytes(reference)
+
+
+@pytest.mark.timeout(60)
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_one(tmp_path, text_folder):
+    """A build killed mid-way (SIGKILL, OOM) leaves its lock file; the next run must build at once,
+    not wait out the 600 s lock timeout (the lock is an OS lock that dies with its holder)."""
+    data = make(text_folder, tmp_path / "cache")
+    lock = data.cache_path.parent / f"{data.cache_path.name}.lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("host 12345\n")  # what the killed builder left
+    data.prepare_data()
+    assert data.built_cache and data.cache_path.joinpath("fingerprint.json").is_file()
 
 
 # --- sharding by rank --------------------------------------------------------------------------

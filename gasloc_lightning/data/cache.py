@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Iterator
@@ -13,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from gasloc_lightning.data.sources import LOCK_TIMEOUT_S, _SPLITS, _Plan
 
-from gasloc_lightning.data.sources import LOCK_TIMEOUT_S, _LOCK_POLL_S, _SPLITS, _Plan
+log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------
 # The on-disk cache
@@ -69,38 +69,28 @@ def _build(entry: Path, plan: _Plan) -> None:
 def _ensure_cache(entry: Path, plan: _Plan) -> bool:
     """Builds the cache unless present; returns whether this process built it.
 
-    Concurrency: the first process to create ``<entry>.lock`` (O_CREAT | O_EXCL) builds while
-    the others poll for the completed cache. Correctness does not rest on the lock: every
-    builder writes identical bytes through temp-file + rename, so if the lock holder dies and
-    a waiter times out after LOCK_TIMEOUT_S, the waiter builds too, and racing builders are
-    harmless. The lock only avoids duplicated work.
+    Concurrency: builders take ``<entry>.lock`` with ``filelock`` (an OS lock, released by the
+    kernel when its holder exits, even killed: a crashed build never blocks the next run), and
+    the others wait for it, then find the cache complete. Correctness does not rest on the lock:
+    every builder writes identical bytes through temp-file + rename, so if a live holder hangs
+    and a waiter times out after LOCK_TIMEOUT_S, the waiter builds too, and racing builders are
+    harmless. The lock only avoids duplicated work. The empty lock file stays (filelock does not
+    remove it on POSIX: unlinking a lock file others may be opening would let two holders in).
     """
     if _is_complete(entry, plan.fingerprint):
         return False
     entry.parent.mkdir(parents=True, exist_ok=True)
     lock = entry.parent / f"{entry.name}.lock"
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
-    while True:
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if _is_complete(entry, plan.fingerprint):
-                return False
-            if time.monotonic() > deadline:
-                log.warning("cache lock held for %.0fs, building anyway lock=%s", LOCK_TIMEOUT_S, lock)
-                _build(entry, plan)
-                return True
-            time.sleep(_LOCK_POLL_S)
-            continue
-        try:
-            os.write(fd, f"{platform.node()} {os.getpid()}\n".encode())
+    try:
+        with FileLock(lock, timeout=LOCK_TIMEOUT_S):
             if _is_complete(entry, plan.fingerprint):  # finished by another process meanwhile
                 return False
             _build(entry, plan)
             return True
-        finally:
-            os.close(fd)
-            lock.unlink(missing_ok=True)
+    except Timeout:
+        log.warning("cache lock held for %.0fs, building anyway lock=%s", LOCK_TIMEOUT_S, lock)
+        _build(entry, plan)
+        return True
 
 
 def _memory_map(path: Path) -> Tensor:

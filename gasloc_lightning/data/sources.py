@@ -23,7 +23,6 @@ CACHE_FORMAT = 1
 DEFAULT_CACHE_DIR = "~/.cache/gasloc-lightning"
 LOCK_TIMEOUT_S = 600.0
 MAX_STDLIB_FILE_BYTES = 1 << 20
-_LOCK_POLL_S = 0.05
 _STDLIB_EXCLUDED_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 )
