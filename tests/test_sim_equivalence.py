@@ -26,6 +26,7 @@ CASES = {
     "overlap_bf16": ["strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.message_dtype=bfloat16"],
     "diloco": ["strategy=diloco"],
     "local": ["strategy=local"],
+    "uneven_h": ["strategy=gasloc", "topology=one_peer", "inner_steps=[2,1,2,1]"],  # H_i: cohorts
 }
 
 

@@ -34,7 +34,7 @@ from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.summary import SUMMARY_FILE, SUMMARY_FORMAT, count_rounds
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.models.lm import warmup_cosine_factor
-from gasloc_lightning.sim import (ChurnSchedule, DiLoCoRounds, GossipRounds, ShardedBatches, Simulator,
+from gasloc_lightning.sim import (ChurnSchedule, CohortReplicas, DiLoCoRounds, GossipRounds, ShardedBatches, Simulator,
                                   StackedReplicas, WorkerClocks, check_memory, estimate_bytes,
                                   resolve_outer_momentum)
 from gasloc_lightning.topology import build_topology
@@ -99,12 +99,20 @@ def _strategy_kind(cfg: DictConfig) -> str:
     return "diloco" if target == "DiLoCoStrategy" else "gasloc"
 
 
-def _inner_steps(cfg: DictConfig) -> int:
+def _inner_steps(cfg: DictConfig, network: Any, workers: int) -> list[int]:
+    """H_i of every worker: one H, a list of one H_i per worker, or "auto" (by speed in the network)."""
     steps = cfg.strategy.inner_steps
-    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
-        return steps
-    raise ValueError(f"strategy.inner_steps={steps!r}: gasloc-sim needs one H (an int >= 1); per-worker H_i "
-                     "lists and 'auto' are not simulated yet")
+    if steps == "auto":
+        if network is None:
+            raise ValueError("strategy.inner_steps=auto needs a network model (network=...) for the speeds")
+        return list(network.auto_inner_steps(cfg.strategy.fastest_inner_steps))
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        steps = [steps] * workers
+    steps = list(steps)
+    if len(steps) != workers or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in steps):
+        raise ValueError(f"strategy.inner_steps={steps!r} must be an int >= 1, 'auto', or one int >= 1 per worker "
+                         f"(sim.workers={workers})")
+    return steps
 
 
 def _topology(cfg: DictConfig) -> Any:
@@ -132,10 +140,14 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     """
     check_choices(cfg)
     check_budget(cfg.trainer)
-    kind, inner_steps, workers = _strategy_kind(cfg), _inner_steps(cfg), cfg.sim.workers
+    kind, workers = _strategy_kind(cfg), cfg.sim.workers
     if workers < 1:
         raise ValueError(f"sim.workers must be >= 1, got {workers}")
+    if cfg.strategy.get("ranks_per_worker", 1) != 1:
+        raise ValueError("strategy.ranks_per_worker > 1 (DDP inside a worker) is not simulated; use 1")
     network = _network(cfg, workers)
+    per_worker = _inner_steps(cfg, network, workers)
+    inner_steps = max(per_worker)  # a round lasts max_i H_i loop steps
     strategy = cfg.strategy
     record: dict[str, Any] = {"name": kind, "topology": "complete", "inner_steps": inner_steps,
                               "outer_lr": float(strategy.outer_lr), "outer_form": "nesterov", "engine": "sim"}
@@ -165,17 +177,22 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     decay = model.hparams.max_steps if model.hparams.max_steps is not None else cfg.trainer.max_steps
     schedule = functools.partial(warmup_cosine_factor, warmup_steps=model.hparams.warmup_steps, max_steps=decay,
                                  min_lr_ratio=model.hparams.min_lr_ratio)
-    replicas = StackedReplicas(module=model.model, workers=workers,
-                               optimizer_factory=hydra.utils.instantiate(cfg.model.optimizer, _convert_="all"),
-                               lr_schedule=schedule, gradient_clip_val=cfg.trainer.gradient_clip_val)
+    optimizer = hydra.utils.instantiate(cfg.model.optimizer, _convert_="all")
+    clip = cfg.trainer.gradient_clip_val
+    if len(set(per_worker)) == 1:
+        replicas: Any = StackedReplicas(module=model.model, workers=workers, optimizer_factory=optimizer,
+                                        lr_schedule=schedule, gradient_clip_val=clip)
+    else:
+        replicas = CohortReplicas(module=model.model, inner_steps=per_worker, optimizer_factory=optimizer,
+                                  lr_schedule=schedule, gradient_clip_val=clip)
     clocks = WorkerClocks(network, workers)
     if kind == "gasloc":
-        rounds: Any = GossipRounds(initial=replicas.flat, topology=topology, outer_lr=strategy.outer_lr,
+        rounds: Any = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
                                    outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
                                    delayed_weight=strategy.delayed_weight, message_dtype=strategy.message_dtype,
                                    clocks=clocks)
     else:
-        rounds = DiLoCoRounds(initial=replicas.flat, outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks)
+        rounds = DiLoCoRounds(initial=replicas.gather(), outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks)
     data_node = cfg.data
     batches = ShardedBatches(
         lambda rank, world_size: hydra.utils.instantiate(data_node, rank=rank, world_size=world_size, _convert_="all"),

@@ -7,13 +7,14 @@ overlapped gossip), ``models`` and ``data``; never the strategies or the app.
 
 from gasloc_lightning.sim.checks import check_memory, estimate_bytes, resolve_outer_momentum
 from gasloc_lightning.sim.churn import ChurnEvent, ChurnSchedule
+from gasloc_lightning.sim.cohorts import CohortReplicas
 from gasloc_lightning.sim.data import ShardedBatches
 from gasloc_lightning.sim.engine import Simulator
 from gasloc_lightning.sim.replicas import StackedReplicas, parameter_count
 from gasloc_lightning.sim.rounds import DiLoCoRounds, GossipRounds, WorkerClocks, round_peers
 
 __all__ = [
-    "ChurnEvent", "ChurnSchedule", "DiLoCoRounds", "GossipRounds", "ShardedBatches", "Simulator",
+    "ChurnEvent", "ChurnSchedule", "CohortReplicas", "DiLoCoRounds", "GossipRounds", "ShardedBatches", "Simulator",
     "StackedReplicas", "WorkerClocks", "check_memory", "estimate_bytes", "parameter_count",
     "resolve_outer_momentum", "round_peers",
 ]

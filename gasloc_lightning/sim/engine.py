@@ -22,6 +22,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gasloc_lightning.sim.churn import ChurnSchedule
+from gasloc_lightning.sim.cohorts import CohortReplicas
 from gasloc_lightning.sim.data import ShardedBatches
 from gasloc_lightning.sim.replicas import StackedReplicas
 from gasloc_lightning.sim.rounds import DiLoCoRounds, GossipRounds, WorkerClocks
@@ -35,11 +36,11 @@ class Simulator:
     """Trains ``replicas`` for ``max_steps`` steps with a round every ``inner_steps`` steps.
 
     Args:
-        replicas: the stacked replicas and their inner optimizer.
+        replicas: the stacked replicas and their inner optimizer (cohorts of equal H_i when they differ).
         rounds: the communication round (GASLoC, local, or DiLoCo).
         clocks: the workers' simulated clocks (shared with ``rounds``).
         batches: each worker's training batches and the validation windows.
-        inner_steps: H, steps per round (every worker).
+        inner_steps: steps per round: H, or max_i H_i with cohorts.
         max_steps: optimizer steps per worker.
         val_check_interval: validate every this many steps (None: only at the end).
         consensus_every: measure the consensus distance every this many rounds (0: never).
@@ -53,7 +54,7 @@ class Simulator:
     def __init__(
         self,
         *,
-        replicas: StackedReplicas,
+        replicas: StackedReplicas | CohortReplicas,
         rounds: GossipRounds | DiLoCoRounds,
         clocks: WorkerClocks,
         batches: ShardedBatches,
@@ -109,7 +110,7 @@ class Simulator:
         with self._attention():
             for step in range(1, self.max_steps + 1):
                 self.step = step
-                self._inner_step(step)
+                self._inner_step(step, steps_in_round)
                 steps_in_round += 1
                 if steps_in_round == self.inner_steps:
                     self._end_round()
@@ -122,16 +123,18 @@ class Simulator:
 
     def finish(self) -> None:
         """End of training: fold in any exchange still in flight (overlap)."""
-        self.rounds.flush(self.replicas.flat)
+        self.rounds.flush(self.replicas.gather())
+        self.replicas.scatter()
 
     def _validates(self, step: int) -> bool:
         interval = self.val_check_interval
         return step == self.max_steps or (interval is not None and step % interval == 0)
 
-    def _inner_step(self, step: int) -> None:
+    def _inner_step(self, step: int, step_in_round: int) -> None:
         x, y = self.batches.next_batch()  # (n, B, T)
-        losses = self.replicas.step(x, y)
-        self.clocks.advance_compute(self._live)
+        losses = self.replicas.train_step(x, y, step_in_round)
+        applied = set(self.replicas.applies(step_in_round))
+        self.clocks.advance_compute([i for i in self._live if i in applied])  # a step not applied takes no time
         live_losses = losses[torch.as_tensor(self._live)]
         self._last_train_loss = float(live_losses.mean())
         row = {"train/loss": self._last_train_loss, "lr": self.replicas.lr}
@@ -140,12 +143,13 @@ class Simulator:
         self._metrics(step - 1, row)
 
     def _end_round(self) -> None:
-        flat = self.replicas.flat
+        flat = self.replicas.gather()
         live = self._live
         if not bool(torch.isfinite(flat[torch.as_tensor(live)]).all()):
             bad = [i for i in live if not bool(torch.isfinite(flat[i]).all())]
             raise FloatingPointError(f"round {self.round_index}: workers {bad[:8]} have non-finite parameters")
         self.rounds.communicate(flat, self.round_index, live)
+        self.replicas.scatter()
         self.round_index += 1
         row = {"comm/round": float(self.round_index), "comm/bytes_sent": self.bytes_sent_mean,
                "comm/workers_alive": float(len(live))}
@@ -178,13 +182,13 @@ class Simulator:
     def consensus_point(self) -> torch.Tensor:
         """The average of the live replicas' points, (P,)."""
         index = torch.as_tensor(self._live)
-        return self.replicas.flat.index_select(0, index).sum(dim=0).div_(len(self._live))
+        return self.replicas.gather().index_select(0, index).sum(dim=0).div_(len(self._live))
 
     @torch.no_grad()
     def measure_consensus_distance(self) -> float:
         """(1/m) sum_i ||theta_i - mean theta||^2 over the live workers."""
         index = torch.as_tensor(self._live)
-        points = self.replicas.flat.index_select(0, index)
+        points = self.replicas.gather().index_select(0, index)
         return float((points - self.consensus_point()).pow(2).sum().double()) / len(self._live)
 
     @torch.no_grad()

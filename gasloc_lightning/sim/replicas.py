@@ -98,6 +98,21 @@ class StackedReplicas:
         """One replica's flat (P,) point as ``{name: tensor}`` for ``functional_call``."""
         return {name: point[offset: offset + size].view(shape) for name, (offset, size, shape) in self._slices.items()}
 
+    def applies(self, step_in_round: int) -> list[int]:
+        """Workers whose step is applied: all of them (one H for every replica here)."""
+        return list(range(self.workers))
+
+    def train_step(self, x: Tensor, y: Tensor, step_in_round: int) -> Tensor:
+        """One loop step of every replica (the protocol :class:`~gasloc_lightning.sim.cohorts.CohortReplicas` shares)."""
+        return self.step(x, y)
+
+    def gather(self) -> Tensor:
+        """The (n, P) points (they live in ``flat`` already)."""
+        return self.flat
+
+    def scatter(self) -> None:
+        """Nothing to do: ``flat`` is the parameters' storage."""
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
