@@ -16,6 +16,10 @@ The optional "post_mix" form (fixed graphs only):
     theta_i' = x_i' + gamma (x_i' - x_i)
 
 Every update is written as a single `torch.lerp` so each costs one pass over memory.
+
+Every update is also elementwise, so the same :class:`OuterState` serves one worker (a flat (P,)
+point, the strategy) and n workers at once (stacked (n, P) points, row i for worker i, the
+simulator in :mod:`gasloc_lightning.sim`); there, :func:`mix` is applied row by row.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class OuterState:
     """Per-worker outer state of GASLoC: round-start point theta_i and anchor x_i, both float32.
 
     Args:
-        initial: the flat starting parameters theta(0) (copied; x_i = theta(0) means zero momentum).
+        initial: the flat starting parameters theta(0) (copied; x_i = theta(0) means zero momentum), or
+            n workers' starting points stacked as (n, P).
         outer_lr: eta, the outer learning rate.
         outer_momentum: gamma in [0, 1).
         outer_form: ``"anchored"`` (default, stable on random graphs) or ``"post_mix"``.
