@@ -155,7 +155,8 @@ def test_concurrent_builds_from_four_processes_leave_one_valid_cache(tmp_path):
     assert all(fingerprint == outcomes[0][1] for _, fingerprint in outcomes)
     reference = ByteDataModule(cache_dir=tmp_path / "reference")
     reference.prepare_data()
-    entries = [p for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock"]  # filelock keeps its empty file
+    # filelock keeps its empty lock file; nothing else is left
+    entries = [p for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock"]
     assert [entry.name for entry in entries] == [reference.cache_path.name]
     # no temporary files left either
     assert sorted(p.name for p in entries[0].iterdir()) == ["fingerprint.json", "train.u8", "val.u8"]

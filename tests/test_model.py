@@ -222,7 +222,7 @@ def test_two_epoch_fit_logs_metrics_and_checkpoint_loads(tmp_path, text_folder):
 
 def test_evaluation_ignores_metric_states_left_from_an_earlier_one(tmp_path, text_folder):
     """A module that comes back from the spawn launcher holds the metric states of its last validation;
-    the next trainer.validate/test must measure the model alone (stale states shown here by a planted update)."""
+    the next trainer.validate/test must measure the model alone (stale states planted by an update)."""
     data = ByteDataModule(source=text_folder, block_size=64, batch_size=8, val_fraction=0.2, val_batches=2,
                           cache_dir=tmp_path / "cache")
     model = LanguageModel(model="tiny")

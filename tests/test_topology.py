@@ -121,7 +121,8 @@ def _draw_fixture() -> dict:
 @pytest.mark.parametrize("key", sorted(PINNED))
 @pytest.mark.parametrize("n", [8, 16])
 def test_schedule_is_pinned_by_the_golden_fixture(key, n):
-    """Changing how matchings are drawn (a torch upgrade, a refactor) breaks resumed and mixed-version runs."""
+    """Changing how matchings are drawn (a torch upgrade, a refactor) breaks resumed and mixed-version
+    runs."""
     expected = json.loads(FIXTURE.read_text())["rounds"][key][str(n)]
     assert _pinned_rounds(key, n) == expected
 
@@ -141,10 +142,10 @@ def test_round_seeds_follow_the_documented_integer_formula():
         state = mix(state ^ part)
     assert stream_seed("one_peer", 7, 16, 3) == state
     order = torch.randperm(16, generator=torch.Generator().manual_seed(state)).tolist()
-    partners = {a: b for a, b in zip(order[0::2], order[1::2])} | {b: a for a, b in zip(order[0::2], order[1::2])}
-    assert [next(iter(OnePeerTopology(seed=7).mixing_weights(i, 16, 3))) for i in range(16)] == [
-        partners[i] for i in range(16)
-    ]
+    pairs = list(zip(order[0::2], order[1::2]))
+    partners = {a: b for a, b in pairs} | {b: a for a, b in pairs}
+    drawn = [next(iter(OnePeerTopology(seed=7).mixing_weights(i, 16, 3))) for i in range(16)]
+    assert drawn == [partners[i] for i in range(16)]
     with pytest.raises(ValueError, match="stream must be one of"):
         stream_seed("one-peer", 7, 16, 3)
 

@@ -39,9 +39,10 @@ How the rate is computed:
   3x3 on (theta, x, u_prev) with overlap (``consensus_rate_fixed``);
 - a periodic schedule of commuting W (the hypercube): exactly, the product of the mode
   matrices over one period for each common eigenvector (``consensus_rate_periodic``);
-- random schedules: a seeded float64 simulation (``consensus_rate_simulated``; with overlap,
-  many gammas share one simulation in ``consensus_rates_simulated``, and
-  ``max_stable_momentum_grid`` searches the limit with two of them).
+- random schedules: a seeded float64 simulation in which many gammas share the rounds
+  (``consensus_rates_simulated``; ``consensus_rate_simulated`` is its one-gamma case), and
+  ``max_stable_momentum_grid`` searches the limit with two of them (``max_stable_momentum``
+  is its one-gamma-at-a-time case).
 
 Stability of the overlapped exchange (anchored form, no gradients; measured with
 ``Topology.max_stable_momentum(n, overlap=True, delayed_weight=beta)``; 0.999 is the top of the
@@ -334,9 +335,7 @@ def consensus_rate_modes(
     if table.shape[0] == 0:
         return 0.0
     with _one_thread():
-        if overlap:
-            return _max_overlap_mode_rate(table, outer_momentum, form, delayed_weight)
-        return _max_mode_rate(table, outer_momentum, form)
+        return _max_mode_rate(table, outer_momentum, form, overlap, delayed_weight)
 
 
 def _snapped(table: Tensor) -> Tensor:
@@ -345,25 +344,23 @@ def _snapped(table: Tensor) -> Tensor:
     return torch.where((table - 1.0).abs() <= _EIGENVALUE_TOL, 1.0, table)
 
 
-def _max_mode_rate(table: Tensor, gamma: float, form: str) -> float:
-    table = _snapped(table)
-    product = torch.eye(2, dtype=_DTYPE).expand(table.shape[0], 2, 2)  # (m, 2, 2)
+def _max_mode_rate(table: Tensor, gamma: float, form: str, overlap: bool, beta: float) -> float:
+    table = _snapped(table)  # (m, T)
+    size = 3 if overlap else 2
+    product = torch.eye(size, dtype=_DTYPE).expand(table.shape[0], size, size)  # (m, s, s)
     for column in table.T:
-        product = _mode_matrices(column, gamma, form) @ product
+        if overlap:
+            product = _overlap_mode_matrices(column, gamma, form, beta) @ product
+        else:
+            product = _mode_matrices(column, gamma, form) @ product
     rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
-    rates[(table == 1.0).all(dim=1)] = 1.0
-    if form == "anchored":
-        rates[(table == 0.0).all(dim=1)] = 0.0
-    return float(rates.max())
-
-
-def _max_overlap_mode_rate(table: Tensor, gamma: float, form: str, beta: float) -> float:
-    table = _snapped(table)
-    product = torch.eye(3, dtype=_DTYPE).expand(table.shape[0], 3, 3)  # (m, 3, 3)
-    for column in table.T:
-        product = _overlap_mode_matrices(column, gamma, form, beta) @ product
-    rates = torch.linalg.eigvals(product).abs().amax(dim=-1) ** (1.0 / table.shape[1])  # (m,)
-    rates[(table == 1.0).all(dim=1) | ((rates - 1.0).abs() <= _MARGINAL_TOL)] = 1.0
+    never_contracts = (table == 1.0).all(dim=1)
+    if overlap:
+        rates[never_contracts | ((rates - 1.0).abs() <= _MARGINAL_TOL)] = 1.0
+    else:
+        rates[never_contracts] = 1.0
+        if form == "anchored":
+            rates[(table == 0.0).all(dim=1)] = 0.0
     return float(rates.max())
 
 
@@ -447,40 +444,6 @@ def _overlap_step(
     return theta_next, anchor_next, beta * (matrix @ sent - sent)
 
 
-def _log_disagreement(
-    sample_matrix: Callable[[int], Tensor],
-    world_size: int,
-    gamma: float,
-    form: str,
-    rounds: int,
-    seed: int,
-    columns: int,
-    first_round: int,
-) -> list[float]:
-    """log(||theta_t - mean|| / ||theta_0 - mean||) for t = 0..rounds, renormalizing every round."""
-    generator = torch.Generator().manual_seed(seed)
-    theta = torch.randn(world_size, columns, generator=generator, dtype=_DTYPE)  # (n, d)
-    theta -= theta.mean(dim=0)
-    anchor = theta.clone()  # zero initial momentum: x(0) = theta(0)
-    log_scale = -math.log(theta.norm().item())  # log(total rescaling / ||theta_0 - mean||)
-    logs = [0.0]
-    for t in range(rounds):
-        theta, anchor = _step(theta, anchor, sample_matrix(first_round + t), gamma, form)
-        # The mean evolves on its own (W is doubly stochastic); dropping it every round keeps
-        # its rounding errors from growing against the renormalized disagreement.
-        theta -= theta.mean(dim=0)
-        anchor -= anchor.mean(dim=0)
-        theta_size, anchor_size = torch.stack((theta.norm(), anchor.norm())).tolist()
-        if theta_size == 0.0 and anchor_size == 0.0:
-            return logs + [-math.inf] * (rounds - t)
-        logs.append(math.log(theta_size) + log_scale if theta_size > 0.0 else -math.inf)
-        scale = math.hypot(theta_size, anchor_size)
-        theta /= scale
-        anchor /= scale
-        log_scale += math.log(scale)
-    return logs
-
-
 class _StackedSparse:
     """Sparse W of several runs, applied run by run (sparse tensors do not batch)."""
 
@@ -506,8 +469,9 @@ def _log_disagreements(
 
     A run is (seed of its initial point, its first round). States are (runs, n, G d): column
     block g belongs to gamma g, so one batched product with the runs' W of a round serves every
-    gamma, and each (run, gamma) is renormalized on its own every round. Otherwise as
-    :func:`_log_disagreement`.
+    gamma, and each (run, gamma) is renormalized on its own every round: the states stay O(1)
+    and the logs carry the scale, so nothing under- or overflows. Entry t is
+    log(||theta_t - mean|| / ||theta_0 - mean||); -inf once the disagreement vanishes exactly.
     """
     count = len(gammas)
     starts = []
@@ -528,7 +492,9 @@ def _log_disagreements(
             state = _overlap_step(state, stacked, gamma, form, beta)
         else:
             state = _step(*state, stacked, gamma, form)
-        for part in state:  # drop the mean, which evolves on its own (see _log_disagreement)
+        # The mean evolves on its own (W is doubly stochastic); dropping it every round keeps its
+        # rounding errors from growing against the renormalized disagreement.
+        for part in state:
             part -= part.mean(dim=1, keepdim=True)
         blocks = [part.view(len(runs), world_size, count, columns) for part in state]  # (R, n, G, d) views
         squares = torch.stack([block.square().sum(dim=(1, 3)) for block in blocks])  # (parts, R, G)
@@ -544,7 +510,8 @@ def _log_disagreements(
 
 
 def _fitted_rates(logs: Tensor, burn_in: int) -> Tensor:
-    """(G,) exp of the least-squares slope of each row over rounds burn_in..end (as _fitted_rate)."""
+    """(G,) exp of the least-squares slope of each row's log-disagreement over rounds burn_in..end;
+    0 for a row that reached exact consensus."""
     values = logs[:, burn_in:]  # (G, T)
     rounds = torch.arange(burn_in, logs.shape[1], dtype=_DTYPE)
     weight = values.isfinite().to(_DTYPE)
@@ -590,29 +557,13 @@ def disagreement_trajectory(
         every round and tracks logs, so only these final ratios can underflow to 0 or overflow.
     """
     _check_rate_arguments(outer_momentum, form, delayed_weight)
+    gammas = torch.tensor([outer_momentum], dtype=_DTYPE)
     with _one_thread():
-        if overlap:
-            gammas = torch.tensor([outer_momentum], dtype=_DTYPE)
-            return _log_disagreements(
-                sample_matrix, world_size, gammas, form, rounds, [(seed, first_round)], columns, True,
-                delayed_weight,
-            )[0, 0].exp()
-        logs = _log_disagreement(
-            sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, first_round
-        )
-    return torch.tensor(logs, dtype=_DTYPE).exp()
-
-
-def _fitted_rate(logs: list[float], burn_in: int) -> float:
-    """exp of the least-squares slope of log-disagreement over rounds burn_in..end."""
-    if logs[-1] == -math.inf:
-        return 0.0
-    points = [(t, v) for t, v in enumerate(logs) if t >= burn_in and math.isfinite(v)]
-    t_mean = sum(t for t, _ in points) / len(points)
-    v_mean = sum(v for _, v in points) / len(points)
-    numerator = sum((t - t_mean) * (v - v_mean) for t, v in points)
-    denominator = sum((t - t_mean) ** 2 for t, _ in points)
-    return math.exp(numerator / denominator) if denominator > 0.0 else 0.0
+        logs = _log_disagreements(
+            sample_matrix, world_size, gammas, form, rounds, [(seed, first_round)], columns, overlap,
+            delayed_weight,
+        )  # (1, 1, rounds + 1)
+    return logs[0, 0].exp()
 
 
 def consensus_rate_simulated(
@@ -648,24 +599,10 @@ def consensus_rate_simulated(
     Returns:
         The estimated per-round rate; 0.0 when n = 1 or the disagreement vanishes exactly.
     """
-    if overlap:  # one code path for the delayed exchange: the batched one
-        rates = consensus_rates_simulated(
-            sample_matrix, world_size, [outer_momentum], form, rounds, seeds, columns,
-            overlap=True, delayed_weight=delayed_weight,
-        )
-        return rates[0]
-    _check_rate_arguments(outer_momentum, form, delayed_weight)
-    _check_simulation(rounds, seeds)
-    if world_size == 1:
-        return 0.0
-    rates = []
-    with _one_thread():
-        for index, seed in enumerate(seeds):
-            logs = _log_disagreement(
-                sample_matrix, world_size, outer_momentum, form, rounds, seed, columns, index * rounds
-            )
-            rates.append(_fitted_rate(logs, burn_in=rounds // 3))
-    return max(rates)
+    return consensus_rates_simulated(
+        sample_matrix, world_size, [outer_momentum], form, rounds, seeds, columns,
+        overlap=overlap, delayed_weight=delayed_weight,
+    )[0]
 
 
 def _check_simulation(rounds: int, seeds: Sequence[int]) -> None:
@@ -688,9 +625,8 @@ def consensus_rates_simulated(
     """:func:`consensus_rate_simulated` for many gammas at once, on the same rounds and seeds.
 
     Each round's W is built once and applied to the states of every gamma, so a whole grid of
-    gammas costs about as much as one. With overlap this is how every simulated rate is
-    computed; without, it agrees with :func:`consensus_rate_simulated` to rounding (that
-    function keeps its own loop so that its results stay as they were).
+    gammas costs about as much as one. Every simulated rate is computed here (the one-gamma
+    function calls this one).
 
     Args:
         sample_matrix: round index -> W of that round, (n, n) float64, doubly stochastic.
@@ -724,7 +660,7 @@ def consensus_rates_simulated(
 def max_stable_momentum(
     rate_fn: Callable[[float], float], lo: float = 0.0, hi: float = 0.999, tol: float = 1e-3
 ) -> float | None:
-    """Bisect for the largest gamma with consensus rate < 1.
+    """:func:`max_stable_momentum_grid` for a rate function of one gamma at a time.
 
     Assumes stability is lost once, as gamma grows (true of every schedule we measured).
 
@@ -738,14 +674,7 @@ def max_stable_momentum(
         A stable gamma within ``tol`` of the boundary (``hi`` when all of [lo, hi] is stable),
         or None when even ``lo`` is unstable.
     """
-    if rate_fn(hi) < 1.0:
-        return hi
-    if rate_fn(lo) >= 1.0:
-        return None
-    while hi - lo > tol:
-        middle = 0.5 * (lo + hi)
-        lo, hi = (middle, hi) if rate_fn(middle) < 1.0 else (lo, middle)
-    return lo
+    return max_stable_momentum_grid(lambda gammas: [rate_fn(gamma) for gamma in gammas], lo, hi, tol)
 
 
 def max_stable_momentum_grid(
@@ -755,12 +684,12 @@ def max_stable_momentum_grid(
     tol: float = 1e-3,
     points: int = 33,
 ) -> float | None:
-    """Like :func:`max_stable_momentum`, for a rate function that evaluates many gammas at once.
+    """Search for the largest gamma with consensus rate < 1, many gammas per call of ``rates_fn``.
 
     Evaluates ``points`` gammas across [lo, hi], keeps the bracket between the last stable one
     before the first unstable one and that unstable one, and refines it the same way until it
-    is narrower than ``tol`` (two calls of ``rates_fn`` for the defaults). Like the
-    bisection it assumes that stability is lost once as gamma grows.
+    is narrower than ``tol`` (two calls of ``rates_fn`` for the defaults). It assumes that
+    stability is lost once as gamma grows (true of every schedule we measured).
 
     Args:
         rates_fn: list of gammas -> their consensus rates (e.g. :func:`consensus_rates_simulated`).

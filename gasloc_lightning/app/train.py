@@ -10,12 +10,12 @@ Usage::
 Each job: check the config, build every part from its ``_target_``, print the budget
 (tokens, rounds = steps / H, workers), fit (validating every ``trainer.val_check_interval`` steps
 and once more after the last step, on the final model: :class:`FinalValidation`), and leave
-``summary.json`` and ``metrics.csv`` in its folder (see :mod:`gasloc_lightning.app.summary`). Workers are spawned, not re-executed
-("popen"): under Hydra the popen launcher rebuilds each child's command from the parent's
-command line, so with ``-m`` every child would start the whole sweep again. Everything the
-spawn pickles to the children is a module-level class built by Hydra. After each job the
-process group is destroyed and the environment (MASTER_PORT, ...) restored, so the next job of
-a sweep starts clean.
+``summary.json`` and ``metrics.csv`` in its folder (see :mod:`gasloc_lightning.app.summary`).
+Workers are spawned, not re-executed ("popen"): under Hydra the popen launcher rebuilds each
+child's command from the parent's command line, so with ``-m`` every child would start the whole
+sweep again. Everything the spawn pickles to the children is a module-level class built by Hydra.
+After each job the process group is destroyed and the environment (MASTER_PORT, ...) restored, so
+the next job of a sweep starts clean.
 """
 
 from __future__ import annotations

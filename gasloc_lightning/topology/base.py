@@ -226,7 +226,7 @@ class Topology(abc.ABC):
     def _max_stable_momentum(
         self, world_size: int, form: UpdateForm, overlap: bool, beta: float
     ) -> float | None:
-        if overlap and self._mode_eigenvalues(world_size) is None:
+        if self._mode_eigenvalues(world_size) is None:
             # A simulated schedule: one simulation serves a whole grid of gammas, and the grid's
             # passes share the rounds' matrices (built once, dropped afterwards).
             sparse = world_size > _DENSE_SIMULATION_MAX
@@ -239,7 +239,7 @@ class Topology(abc.ABC):
 
             return stability.max_stable_momentum_grid(
                 lambda gammas: stability.consensus_rates_simulated(
-                    sample, world_size, gammas, form, overlap=True, delayed_weight=beta
+                    sample, world_size, gammas, form, overlap=overlap, delayed_weight=beta
                 )
             )
         return stability.max_stable_momentum(
