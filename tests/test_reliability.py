@@ -117,3 +117,31 @@ def test_mismatched_models_across_ranks_stop_before_any_exchange(tmp_path, fresh
                          limit_val_batches=0, default_root_dir=tmp_path)
     with pytest.raises(Exception, match="rank 1 holds a different model than rank 0"):
         trainer.fit(RankDependentWidth())
+
+
+class MaskedPoisonedRegressor(PoisonOneBatch):
+    """Holds an additive causal mask of -inf (as hand-written GPTs do) next to its BatchNorm."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+
+    def on_fit_end(self):
+        torch.save({"mask": self.mask.clone(), "running_var": self.net[1].running_var.clone()},
+                   f"{self.trainer.default_root_dir}/buffers{self.global_rank}.pt")
+
+
+@pytest.mark.timeout(120)
+def test_a_causal_mask_and_batchnorm_statistics_survive_a_discarded_round(tmp_path, fresh_port):
+    # Before: the guard saw the mask's -inf, discarded every round, and "repaired" mask and running_var to 0.
+    strategy = GASLoCStrategy(inner_steps=3, start_method="fork", gossip_timeout=60.0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=9, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(MaskedPoisonedRegressor(poison_steps=(4,)))
+    expected_mask = torch.full((4, 4), float("-inf")).triu(1)
+    for rank in range(2):
+        buffers = torch.load(tmp_path / f"buffers{rank}.pt")
+        assert torch.equal(buffers["mask"], expected_mask)
+        assert torch.isfinite(buffers["running_var"]).all() and (buffers["running_var"] > 0).all()
+    assert trainer.callback_metrics["comm/skipped_rounds"] == 0  # rank 0's view: it never skipped

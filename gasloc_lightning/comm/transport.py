@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,6 +17,9 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
+
+
+_POLL_S = 2e-4  # host polling period of an NCCL exchange
 
 
 class GossipTimeoutError(RuntimeError):
@@ -141,17 +145,33 @@ class GossipTransport:
         return ops
 
     def complete(self, pending: PendingExchange) -> list[tuple[float, Tensor]]:
-        """Wait (at most ``timeout`` seconds) for this worker's own peers; returns ``(w_ij, u_j)`` pairs."""
-        deadline = timedelta(seconds=self.timeout)
+        """Wait (at most ``timeout`` seconds) for this worker's own peers; returns ``(w_ij, u_j)`` pairs.
+
+        On gloo, ``work.wait(timeout)`` blocks the host until the deadline. On NCCL it only orders the
+        current CUDA stream after the work, so a dead peer would never raise: there the host polls
+        ``work.is_completed()`` until the deadline instead. A timed-out NCCL exchange leaves its
+        communicator unusable, so the error is final for the process (as any NCCL timeout).
+        """
+        end = time.monotonic() + self.timeout
         for work in pending.works:
             try:
-                completed = work.wait(deadline)
+                completed = self._wait(work, end)
             except RuntimeError as error:
                 raise self._timeout_error(pending, error) from error
             if completed is False:
                 raise self._timeout_error(pending, None)
         pending.works = []
         return pending.received
+
+    def _wait(self, work: dist.Work, end: float) -> bool:
+        if self.device.type != "cuda":
+            return work.wait(timedelta(seconds=max(0.0, end - time.monotonic())))
+        while not work.is_completed():
+            if time.monotonic() > end:
+                return False
+            time.sleep(_POLL_S)
+        work.wait()
+        return True
 
     def _timeout_error(self, pending: PendingExchange, cause: Exception | None) -> GossipTimeoutError:
         peers = sorted(pending.peers)

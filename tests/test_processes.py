@@ -1,0 +1,112 @@
+"""No process outlives a run: a failing launcher stops its workers, and workers exit when their launcher dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    sys.path.insert(0, {tests!r})
+    from dist_utils import TinyRegressor
+    from gasloc_lightning import GASLoCStrategy
+
+    OUT = Path({out!r})
+
+    class PidsAndStall(Callback):
+        def on_train_start(self, trainer, pl_module):
+            (OUT / f"pid{{trainer.global_rank}}").write_text(str(os.getpid()))
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_rank == {stalled_rank} and trainer.global_step == 5:
+                time.sleep(600)
+
+    if __name__ == "__main__":
+        strategy = GASLoCStrategy(inner_steps=2, topology="ring", gossip_timeout=5.0, collective_timeout=60.0,
+                                  start_method="popen")
+        trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=40, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                             limit_val_batches=0, default_root_dir=str(OUT), callbacks=[PidsAndStall()])
+        trainer.fit(TinyRegressor())
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for_pids(out: Path, count: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(out.glob("pid*"))
+        if len(files) == count and all(f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.2)
+    raise AssertionError(f"the workers did not all start within {timeout} s: {sorted(out.glob('pid*'))}")
+
+
+def assert_all_gone(pids: list[int], within: float) -> None:
+    deadline = time.monotonic() + within
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = [pid for pid in pids if alive(pid)]
+    for pid in survivors:  # never leave them behind, even when the assertion fails
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == [], f"worker processes still running: {survivors}"
+
+
+def launch(tmp_path: Path, stalled_rank: int, port: int) -> subprocess.Popen:
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path), stalled_rank=stalled_rank))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stalled_rank", [2], ids=["child_stalls"])
+def test_a_stalled_worker_leaves_no_process_behind(tmp_path, fresh_port, stalled_rank):
+    process = launch(tmp_path, stalled_rank, fresh_port())
+    try:
+        pids = wait_for_pids(tmp_path, 3, timeout=60)
+        output, _ = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode != 0
+    assert "GossipTimeoutError" in output or "gossip round" in output or "Timed out" in output
+    assert_all_gone(pids, within=15)
+
+
+@pytest.mark.timeout(120)
+def test_workers_exit_when_their_launcher_is_killed(tmp_path, fresh_port):
+    process = launch(tmp_path, stalled_rank=-1, port=fresh_port())
+    try:
+        pids = wait_for_pids(tmp_path, 3, timeout=60)
+        process.kill()  # SIGKILL: no handler of the launcher runs
+        process.wait(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert_all_gone([pid for pid in pids if pid != process.pid], within=15)
