@@ -32,7 +32,12 @@ def gasloc(**kwargs):
 
 def test_manual_optimization_counts_optimizer_steps(tmp_path, fresh_port):
     trainer_for(tmp_path, gasloc(), callbacks=[RecordParameters(str(tmp_path))]).fit(ManualRegressor())
-    assert [r["rounds_at_fit_end"] for r in load_ranks(tmp_path, 2)] == [2, 2]
+    records = load_ranks(tmp_path, 2)
+    assert [r["rounds_at_fit_end"] for r in records] == [2, 2]
+    history = torch.stack([r["history"] for r in records])  # (ranks, 1 + steps, P)
+    assert not torch.equal(history[0, 1], history[0, 0])  # the manual steps were applied
+    assert not torch.allclose(history[0, 2], history[1, 2])  # mid-round: the replicas differ
+    assert torch.allclose(history[0, 3], history[1, 3], atol=1e-6)  # the round after 3 steps mixed them
 
 
 def test_accumulation_clipping_and_scheduler(tmp_path, fresh_port):
@@ -59,7 +64,10 @@ def test_bf16_true_parameters_train_with_float32_rounds(tmp_path, fresh_port):
     trainer_for(tmp_path, gasloc(), precision="bf16-true",
                 callbacks=[RecordParameters(str(tmp_path))]).fit(TinyRegressor())
     records = load_ranks(tmp_path, 2)
-    assert torch.equal(records[0]["after_fit"], records[1]["after_fit"])
+    history = torch.stack([r["history"] for r in records])  # (ranks, 1 + steps, P), before end-of-fit averaging
+    assert not torch.equal(history[0, 2], history[1, 2])  # bfloat16 replicas trained apart mid-round
+    assert torch.equal(history[0, 3], history[1, 3])  # the float32 round averaged them, cast back identically
+    assert torch.equal(history[0, 6], history[1, 6])
 
 
 def test_validate_without_a_fit_evaluates_rank_zero_weights_on_every_rank(tmp_path, fresh_port):

@@ -145,3 +145,20 @@ def test_a_causal_mask_and_batchnorm_statistics_survive_a_discarded_round(tmp_pa
         assert torch.equal(buffers["mask"], expected_mask)
         assert torch.isfinite(buffers["running_var"]).all() and (buffers["running_var"] > 0).all()
     assert trainer.callback_metrics["comm/skipped_rounds"] == 0  # rank 0's view: it never skipped
+
+
+class UnevenLoaders(TinyRegressor):
+    def train_dataloader(self):
+        data = self._data(0)
+        return torch.utils.data.DataLoader(data, batch_size=4 if self.global_rank == 0 else 8)
+
+
+@pytest.mark.timeout(120)
+def test_train_loaders_of_different_lengths_are_refused_before_any_round(tmp_path, fresh_port):
+    # Before: rank 1's epoch ended first, and its validation collectives met rank 0's gossip.
+    strategy = GASLoCStrategy(inner_steps=3, start_method="fork", gossip_timeout=10.0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=9, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         limit_val_batches=0, default_root_dir=tmp_path)
+    with pytest.raises(Exception, match=r"different lengths \(rank 0: 64 train / 0 val, rank 1: 32 train"):
+        trainer.fit(UnevenLoaders())

@@ -122,7 +122,8 @@ def test_simulated_clock_matches_the_local_oracle(tmp_path, fresh_port, overlap)
     expected = simulate_gossip(network, build_topology("one_peer", seed=3), [3, 3, 3, 3], 3, overlap)
     for rank, record in enumerate(records):
         assert record["sim_time_at_fit_end"] == pytest.approx(expected[rank], rel=1e-12)
-    assert expected[3] > expected[0] or overlap  # the straggler computes for longer
+    without_straggler = simulate_gossip(two_clusters(), build_topology("one_peer", seed=3), [3, 3, 3, 3], 3, overlap)
+    assert max(expected) > max(without_straggler)  # the straggler's slower steps cost simulated time
 
 
 def test_overlap_hides_communication_in_simulated_time():

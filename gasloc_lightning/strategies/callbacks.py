@@ -84,6 +84,12 @@ class GASLoCCallback(Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is not None:
+            strategy.check_loader_lengths(trainer.num_training_batches, sum(trainer.num_val_batches))
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
         if strategy is None:

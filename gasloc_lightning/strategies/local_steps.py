@@ -364,6 +364,24 @@ class LocalStepsStrategy(DDPStrategy):
         """Copy the worker leader's tensors to the other ranks of its worker (no-op with one rank per worker)."""
         self._workers.broadcast(self.global_rank, *tensors)
 
+    def check_loader_lengths(self, train_batches: float, val_batches: float) -> None:
+        """Every rank must see the same number of training and validation batches (a collective): with
+        different lengths, one rank's validation or checkpoint collectives would meet another's gossip."""
+        if self.world_size <= 1:
+            return
+        mine = torch.tensor([_finite_or_minus_one(train_batches), _finite_or_minus_one(val_batches)],
+                            dtype=torch.float64, device=self.root_device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        lengths = [tuple(int(v) for v in lengths.tolist()) for lengths in every]
+        if len(set(lengths)) > 1:
+            table = ", ".join(f"rank {r}: {t} train / {v} val" for r, (t, v) in enumerate(lengths))
+            raise ValueError(
+                f"the ranks' dataloaders have different lengths ({table}; -1 is unbounded): every rank must take "
+                "the same number of batches per epoch, or its collectives interleave with its peers' gossip. Use "
+                "the same number of samples per rank (e.g. drop_last), or limit_train_batches / limit_val_batches."
+            )
+
     def _check_optimizers(self) -> None:
         if len(self.optimizers) != 1:
             raise ValueError(
@@ -657,6 +675,10 @@ def _register_variants(strategy_registry: Any, cls: type, prefix: str, descripti
             strategy_registry.register(
                 name, cls, description=f"{description}, start_method={start_method!r}", start_method=start_method
             )
+
+
+def _finite_or_minus_one(value: float) -> float:
+    return float(value) if value != float("inf") else -1.0
 
 
 def _check_positive_number(name: str, value: Any) -> None:
