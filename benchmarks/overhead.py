@@ -17,8 +17,8 @@ prints ratios (a ratio measured within one run holds on a noisy machine, an abso
     window, every rank alternately times ``strategy.end_round()`` and a ``batch_isend_irecv`` of
     one preallocated float32 buffer of ``strategy.layout.numel`` elements with the same peer
     (rank 1 - rank), each after a barrier; one trial is the slower rank's time. A last set of
-    rounds is timed piece by piece by wrapping the library's functions (gather, finite checks,
-    outer step, transfer, mix, scatter).
+    rounds is timed piece by piece by wrapping the library's functions (read of the live flat
+    vector, finite checks, outer step, transfer, mix, copy back).
 Memory. Outer state, receive buffers and scratch vector of a worker, in model copies.
 
 Usage::
@@ -62,8 +62,8 @@ from gasloc_lightning.algorithm.outer import OuterState
 from gasloc_lightning.comm.flat import FlatLayout
 from gasloc_lightning.comm.transport import GossipTransport
 
-TARGET_THROUGHPUT = 0.97  # (a) gasloc / auto, at least
-TARGET_ROUND = 1.5  # (b) round / raw transfer, at most
+TARGET_THROUGHPUT = 0.97  # (a) gasloc / auto, at least (the earlier target; "unchanged or better" than 0.935x since)
+TARGET_ROUND = 1.8  # (b) round / raw transfer, at most (issue 10; 2.36x before the flat buffer)
 TARGET_OUTER_COPIES = 2.0  # outer state, in model copies, at most (receive buffers come on top)
 RUN_TIMEOUT_S = 900.0
 
@@ -179,7 +179,7 @@ def _raw_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
 # The pieces of GASLoCStrategy._communicate, timed by wrapping the library's own functions for a while.
 # Pieces the library does not have (it changes) are left out; the rest of the round shows as "other".
 _PIECES = {
-    "gather (params -> flat)": (FlatLayout, "gather"),
+    "read (live flat vector)": (FlatLayout, "read"),
     "finite check, own point": (LocalStepsStrategy, "_guard_local_point"),
     "outer.message (2 lerps)": (OuterState, "message"),
     "transport.post": (GossipTransport, "post"),
@@ -220,7 +220,7 @@ def _timed(function: Callable, times: list[float]) -> Callable:
 def _memory(strategy: GASLoCStrategy) -> dict[str, int]:
     """Bytes of the model and of the strategy's model-size buffers (private fields: read, never changed)."""
     transport = getattr(strategy, "_transport", None)
-    scratch = getattr(strategy, "_work", None)
+    scratch = getattr(strategy, "_work", None)  # GASLoC's own message buffer: allocated with overlap only
     receive = getattr(transport, "_receive_buffers", [])
     return {
         "model_parameters": sum(p.numel() * p.element_size() for p in strategy.layout.parameters),
@@ -471,7 +471,7 @@ def _print_memory(runs: list[dict[str, dict]]) -> float:
     rows = [
         ("outer state (round start + anchor)", memory["outer_state"]),
         (f"receive buffers ({memory['receive_buffer_count']} peer slot)", memory["receive_buffers"]),
-        ("scratch message vector", memory["scratch"]),
+        ("scratch message vector (overlap only)", memory["scratch"]),
     ]
     for name, num_bytes in rows:
         print(f"  {name:40s} {num_bytes / 1e6:8.1f} MB   {num_bytes / model:5.2f}")
