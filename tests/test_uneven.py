@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_utils import RecordParameters, TinyRegressor, flat_parameters, load_ranks
-from gasloc_lightning import GASLoCStrategy
+from gasloc_lightning import GASLoCCallback, GASLoCStrategy
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -72,6 +72,28 @@ def test_ranks_per_worker_behave_as_one_worker(tmp_path, fresh_port):
     assert not torch.allclose(history[0, 2], history[2, 2])  # mid-round: the two workers differ
     assert torch.allclose(history[0, 3], history[2, 3], atol=1e-6)  # after the pairwise round: averaged
     assert records[0]["bytes_sent"] > 0 and records[1]["bytes_sent"] == 0  # only the leader exchanges
+
+
+def test_overlapped_final_flush_reaches_every_rank_of_a_worker(tmp_path, fresh_port):
+    # Before: only the worker's first rank folded in the last delayed exchange; its second rank ended apart.
+    strategy = GASLoCStrategy(inner_steps=3, ranks_per_worker=2, overlap=True, start_method="fork",
+                              gossip_timeout=60.0)
+    pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=9, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               use_distributed_sampler=False, limit_val_batches=0, default_root_dir=tmp_path,
+               callbacks=[RecordParameters(str(tmp_path)), GASLoCCallback(average_at_end=False)]).fit(TinyRegressor())
+    records = load_ranks(tmp_path, 4)
+    assert torch.equal(records[0]["after_fit"], records[1]["after_fit"])
+    assert torch.equal(records[2]["after_fit"], records[3]["after_fit"])
+    assert not torch.equal(records[0]["after_fit"], records[0]["final"])  # the flush did move the leader
+
+
+def test_ranks_of_one_worker_share_their_inner_steps_and_ddp_arguments_need_a_worker():
+    with pytest.raises(ValueError, match="equal on the ranks of one worker"):
+        pl.Trainer(accelerator="cpu", devices=4, logger=False,
+                   strategy=GASLoCStrategy(inner_steps=[2, 3, 4, 4], ranks_per_worker=2))
+    with pytest.raises(ValueError, match="worker_ddp_kwargs applies inside a worker"):
+        GASLoCStrategy(worker_ddp_kwargs={"find_unused_parameters": True})
 
 
 def test_ranks_must_divide_into_workers():
