@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dist_utils import (
+    flat_parameters,
     ManualRegressor,
     PerRankWeights,
     RecordParameters,
@@ -82,3 +83,43 @@ def test_validate_without_a_fit_evaluates_rank_zero_weights_on_every_rank(tmp_pa
     for record in records:
         assert torch.equal(record["evaluated"], records[0]["before"])
         assert torch.equal(record["after"], records[0]["before"])
+
+
+class PerRankOffset(pl.Callback):
+    """Runs before GASLoCCallback: gives each rank its own replica right before predicting."""
+
+    def on_predict_start(self, trainer, pl_module):
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.add_(0.1 * (trainer.global_rank + 1))
+        pl_module.before = flat_parameters(pl_module)
+
+
+class RecordPredict(TinyRegressor):
+    def __init__(self, out_dir: str):
+        super().__init__()
+        self.out_dir = out_dir
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+    def predict_step(self, batch, batch_idx):
+        self.evaluated = flat_parameters(self)
+        return self(batch[0])
+
+    def on_predict_end(self):  # module hooks run after the callbacks': the replica is back
+        torch.save({"before": self.before, "evaluated": self.evaluated, "after": flat_parameters(self)},
+                   f"{self.out_dir}/predict{self.global_rank}.pt")
+
+
+def test_predict_runs_on_the_consensus_and_puts_the_replica_back(tmp_path, fresh_port):
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=gasloc(), logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, limit_predict_batches=2,
+                         default_root_dir=tmp_path, callbacks=[PerRankOffset()])
+    trainer.predict(RecordPredict(str(tmp_path)), return_predictions=False)
+    records = load_ranks(tmp_path, 2, prefix="predict")
+    consensus = (records[0]["before"] + records[1]["before"]) / 2
+    assert not torch.allclose(records[0]["before"], records[1]["before"])
+    for record in records:
+        assert torch.allclose(record["evaluated"], consensus, atol=1e-6)
+        assert torch.equal(record["after"], record["before"])
