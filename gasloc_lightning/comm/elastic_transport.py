@@ -74,12 +74,16 @@ class ElasticTransport:
         if clock is not None:
             raise ValueError("ElasticTransport carries no simulated clock")
         pending = PendingExchange(round_index=round_index, peers=dict(peers))
-        pg = self.membership.process_group
+        pg, quorum = self.membership.process_group, self.membership.quorum
         for slot, peer in enumerate(sorted(peers)):
             incoming = self.receive_buffer(slot)
+            if not quorum.usable:
+                pending.works.append((peer, [_FailedWork(RuntimeError(f"unusable quorum: {quorum.error}"))]))
+                pending.received.append((peers[peer], incoming))
+                continue
             try:  # every send and receive is posted before any wait: a triangle cannot deadlock
                 works = [pg.send([message], peer, _GOSSIP_TAG), pg.recv([incoming], peer, _GOSSIP_TAG)]
-            except RuntimeError as error:
+            except Exception as error:  # an unconfigured group raises AssertionError
                 works = [_FailedWork(error)]
             pending.works.append((peer, works))
             pending.received.append((peers[peer], incoming))
@@ -113,7 +117,7 @@ class ElasticTransport:
         for work in works:  # wait for every op even after a failure: none is left half posted
             try:
                 work.wait()
-            except RuntimeError as error:
+            except Exception as error:
                 failure = failure or error
         return failure
 
@@ -133,8 +137,10 @@ class ElasticTransport:
         options = AllreduceOptions()
         options.reduceOp = ReduceOp.SUM
         try:
+            if not self.membership.quorum.usable:
+                raise RuntimeError(f"unusable quorum: {self.membership.quorum.error}")
             self.membership.process_group.allreduce([tensor], options).wait()
-        except RuntimeError as error:
+        except Exception as error:
             self.failed_collectives += 1
             self.error = self.error or error
             raise ElasticCollectiveError(f"all-reduce over {size} workers failed: {_first_line(error)}") from error

@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -79,8 +80,10 @@ class Quorum:
         quorum_id: changes whenever the member set changes (or a member failed to commit).
         members: the sorted member ids; index i is process-group rank i.
         index: this worker's rank in ``members``.
-        max_step: the most rounds any member has completed (identical on every member).
+        max_step: the most rounds any member has completed (identical on every member): the round index t.
         healed: whether this worker received a peer's state in this quorum.
+        error: why this quorum cannot be used (its process group or the state transfer failed, e.g. a member
+            died while it formed): its round then exchanges nothing, and the next quorum rebuilds the group.
     """
 
     quorum_id: int
@@ -88,6 +91,11 @@ class Quorum:
     index: int
     max_step: int
     healed: bool
+    error: Exception | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None
 
     @property
     def size(self) -> int:
@@ -207,20 +215,35 @@ class ElasticMembership:
 
     # ------------------------------------------------------------------ quorum
     def start_quorum(self) -> Quorum:
-        """Wait for the next quorum (healing from a peer if this worker is behind) and return it."""
+        """Wait for the next quorum of at least ``min_workers`` (healing from a peer if this worker is behind).
+
+        A smaller quorum (the lighthouse's ``min_replicas`` may be lower) is not trained in: this worker
+        asks again until ``quorum_timeout`` has passed, then raises :class:`MembershipError`.
+        """
+        deadline = time.monotonic() + self.quorum_timeout
+        while True:
+            quorum = self._next_quorum(max(0.1, deadline - time.monotonic()))
+            if quorum.size >= self.min_workers:
+                return quorum
+            if time.monotonic() >= deadline:
+                raise self._too_few_error(f"the last quorum had {quorum.size}")
+            self._log_waiting()
+            time.sleep(0.2)
+
+    def _next_quorum(self, timeout: float) -> Quorum:
         manager = self._require_manager()
         self._healed = False
-        waiting = threading.Timer(min(2.0, self.quorum_timeout / 4), self._log_waiting)
+        waiting = threading.Timer(min(2.0, timeout / 4), self._log_waiting)
         waiting.daemon = True
         waiting.start()
         try:
-            manager.start_quorum()
+            manager.start_quorum(timeout=timedelta(seconds=timeout))
         except TimeoutError as error:
             manager._quorum_future = None  # torchft re-raises a failed quorum forever otherwise
             raise self._quorum_error(error) from error
         finally:
             waiting.cancel()
-        if manager.errored() is not None and self._recorder.last is None:
+        if self._recorder.last is None:
             raise MembershipError(f"{self.name}: quorum failed: {manager.errored().original_exception}")
         return self._record_quorum()
 
@@ -234,15 +257,23 @@ class ElasticMembership:
                 f"{self.name}: the lighthouse at {self._url} stopped answering (it died or is unreachable); "
                 f"no quorum within quorum_timeout={self.quorum_timeout:g}s"
             )
+        return self._too_few_error(str(error))
+
+    def _too_few_error(self, detail: str) -> MembershipError:
         return MembershipError(
             f"{self.name}: no quorum of at least min_workers={self.min_workers} workers within "
-            f"quorum_timeout={self.quorum_timeout:g}s (lighthouse {self._url}); too few workers are alive: {error}"
+            f"quorum_timeout={self.quorum_timeout:g}s (lighthouse {self._url}); too few workers are alive ({detail})"
         )
 
     def _record_quorum(self) -> Quorum:
-        result = self._recorder.last
+        result, errored = self._recorder.last, self._manager.errored()
+        self._recorder.last = None
         quorum = Quorum(quorum_id=int(result.quorum_id), members=tuple(result.replica_ids),
-                        index=int(result.replica_rank), max_step=int(result.max_step), healed=self._healed)
+                        index=int(result.replica_rank), max_step=int(result.max_step), healed=self._healed,
+                        error=None if errored is None else errored.original_exception)
+        if not quorum.usable:
+            log.warning("unusable quorum worker=%s quorum_id=%d round=%d error=%s", self.name, quorum.quorum_id,
+                        quorum.max_step, str(quorum.error).splitlines()[0][:200])
         if self._quorum is None or quorum.members != self._quorum.members:
             if self._quorum is not None:
                 self.membership_changes += 1

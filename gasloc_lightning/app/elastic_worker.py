@@ -1,0 +1,167 @@
+"""One elastic worker: ``python -m gasloc_lightning.app.elastic_worker WORKER_CONFIG.yaml``.
+
+``gasloc-elastic`` writes each worker's fully resolved config (the gasloc-train tree with an elastic
+strategy node, ``trainer.devices=1`` and this worker's data shard) and starts this module on it. On
+another machine, start it the same way on a copy of that file with ``strategy.worker_id`` and
+``strategy.lighthouse`` set (see ``docs/elastic.md``).
+
+Besides the usual ``summary.json`` and ``metrics.csv``, the worker keeps ``progress.json`` in its
+folder (rewritten atomically at every step): what the launcher watches to run a chaos schedule and to
+print the quorum size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RUST_LOG", "warn")  # before torchft is imported
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
+from typing_extensions import override
+
+from gasloc_lightning.app.train import build
+from gasloc_lightning.data import ByteDataModule
+from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
+from gasloc_lightning.strategies.launcher import exit_with_parent
+
+log = logging.getLogger(__name__)
+
+PROGRESS_FILE = "progress.json"
+# Set by the launcher for a warm restart: the worker builds everything, then waits for this file to exist
+# before it joins (so a scheduled restart is not delayed by the seconds of importing torch).
+HOLD_FILE_ENV = "GASLOC_ELASTIC_HOLD_FILE"
+
+
+def write_progress(output_dir: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Replace ``progress.json`` atomically (the launcher may read it at any moment)."""
+    path = Path(output_dir) / PROGRESS_FILE
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def read_progress(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(output_dir) / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class SharedValidationData(ByteDataModule):
+    """Trains on shard ``rank`` of ``world_size`` (the worker's own, across restarts), but validates every worker
+    on the same batches (those of a single-worker run), so the workers' losses compare directly."""
+
+    @override
+    def val_dataloader(self) -> Any:
+        reference = ByteDataModule(**self.hparams, rank=0, world_size=1)
+        reference.prepare_data()
+        return reference.val_dataloader()
+
+
+class ElasticProgress(Callback):
+    """Writes this worker's step, round, quorum and counters to ``progress.json`` after every step."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.applied = 0  # steps this process computed (a joiner's global step starts at the quorum's)
+        self.first_step: int | None = None
+
+    def record(self, trainer: pl.Trainer, state: str, **extra: Any) -> dict[str, Any]:
+        strategy = trainer.strategy
+        elastic = isinstance(strategy, ElasticGASLoCStrategy)
+        return {
+            "pid": os.getpid(), "state": state, "time": time.time(), "step": trainer.global_step,
+            "applied": self.applied, "first_step": self.first_step,
+            "round": getattr(strategy, "round_index", None),
+            "quorum_size": strategy.quorum_size if elastic else None,
+            "members": strategy.quorum.names if elastic and strategy.quorum_size else [],
+            "membership_changes": strategy.membership_changes if elastic else 0,
+            "failed_exchanges": strategy.failed_exchanges if elastic else 0,
+            "healed_rounds": strategy.healed_rounds if elastic else [],
+            **extra,
+        }
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        write_progress(self.output_dir, self.record(trainer, "starting"))
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.applied += 1
+        if self.first_step is None:
+            self.first_step = trainer.global_step - 1
+        write_progress(self.output_dir, self.record(trainer, "running"))
+
+
+def model_checksum(trainer: pl.Trainer) -> float | None:
+    """Sum of the exchanged tensors in float64: equal on workers that ended on the same consensus."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, ElasticGASLoCStrategy):
+        return None
+    return float(strategy.layout.read().double().sum())
+
+
+def run_worker(config_path: str | os.PathLike) -> int:
+    """Train one worker from its resolved config; returns the process exit code."""
+    cfg = OmegaConf.load(config_path)
+    output_dir = str(cfg.output_dir)
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    progress = ElasticProgress(output_dir)
+    write_progress(output_dir, {"pid": os.getpid(), "state": "starting", "time": time.time(), "step": 0,
+                                "applied": 0, "quorum_size": None})
+    try:
+        trainer, model, datamodule = build(cfg)
+        trainer.callbacks.append(progress)
+        _wait_for_release()
+        log.info("fit starts worker_dir=%s", output_dir)
+        trainer.fit(model, datamodule=datamodule)
+    except BaseException as error:
+        log.exception("worker failed")
+        write_progress(output_dir, {"pid": os.getpid(), "state": "failed", "time": time.time(),
+                                    "error": f"{type(error).__name__}: {error}", "applied": progress.applied,
+                                    "first_step": progress.first_step})
+        return 1
+    val_loss = trainer.callback_metrics.get("val/loss")
+    write_progress(output_dir, progress.record(
+        trainer, "done", val_loss=None if val_loss is None else float(val_loss), model_checksum=model_checksum(trainer)))
+    return 0
+
+
+def _wait_for_release() -> None:
+    hold = os.environ.get(HOLD_FILE_ENV)
+    while hold and not os.path.exists(hold):
+        time.sleep(0.05)
+
+
+def _quiet_torchft() -> None:
+    """torchft logs a warning at every reconfiguration and an access line per state transfer."""
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*frombuffer.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torchft.*")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m gasloc_lightning.app.elastic_worker WORKER_CONFIG.yaml")
+    exit_with_parent()  # started by gasloc-elastic: never outlive it
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _quiet_torchft()
+    code = run_worker(argv[0])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # torchft's server threads must not keep a finished worker alive
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,402 @@
+"""Elastic GASLoC: workers that come and go, over torchft's lighthouse, quorum and checkpoint transport.
+
+Each worker is its own launch (one process here: Lightning's world is that worker's ranks) and finds
+the others through a torchft lighthouse (:mod:`gasloc_lightning.comm.membership`). A round is:
+
+1. H local steps (unchanged: :class:`~gasloc_lightning.strategies.local_steps.LocalStepsStrategy`);
+2. the gossip exchange with this round's peers, drawn from the round's quorum: the topology's graph
+   for n = quorum size at round t, whose node i is the i-th of the sorted member ids. Every member
+   derives the same matching from (seed, t, sorted ids) without a message;
+3. the commit (a failed exchange is reported only now, after the round's collectives) and the quorum
+   of the next round, in which a new, restarted or lagging worker receives the state of one live peer
+   (live point, outer state, inner optimizer and LR-scheduler state, round index) and continues at the
+   quorum's round with its own data shard (its data loader goes on from where it stands: a restarted
+   worker starts its shard's sampler afresh).
+
+On failure: a peer that died (the exchange fails at once) or hung (after ``gossip_timeout``) leaves this
+worker with its own point for that peer's share, counted in ``comm/failed_exchanges``; the lighthouse
+drops the dead worker from the next quorum after its heartbeat timeout. A joiner whose model signature
+or hyperparameters differ from its peer's refuses itself with :class:`ElasticJoinError`; the running
+workers lose at most that round's share with it. Consensus evaluation and the end-of-fit average are
+all-reduces over the live quorum (a failed one evaluates the local replica instead).
+
+Elastic DiLoCo is the same engine with ``topology="complete"`` (an all-reduce over the quorum; exactly
+DiLoCo's outer Nesterov step, see ``docs/algorithm.md`` section 2): :class:`ElasticDiLoCoStrategy`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from typing_extensions import override
+
+from gasloc_lightning.algorithm.outer import OuterState, mix
+from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
+from gasloc_lightning.comm.membership import ElasticMembership, Quorum
+from gasloc_lightning.strategies.gasloc import GASLoCStrategy
+from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ElasticDiLoCoStrategy", "ElasticGASLoCStrategy", "ElasticJoinError", "ElasticMetricsCallback"]
+
+
+class ElasticJoinError(RuntimeError):
+    """A joining worker's model or hyperparameters differ from the running workers'."""
+
+
+class ElasticGASLoCStrategy(GASLoCStrategy):
+    """GASLoC over a live quorum of workers that may die, stall, join and rejoin (torchft membership).
+
+    Cagnasso, Belilovsky, Oyallon, arXiv 2606.11081, with elastic membership from torchft. What
+    happens on failure is in the module docstring and ``docs/elastic.md``.
+
+    Args:
+        lighthouse: ``HOST:PORT`` of the torchft lighthouse every worker registers with.
+        worker_id: this worker's number (its member name is ``worker_<id>``; a restarted worker keeps it).
+        min_workers: the smallest quorum a round runs in (the lighthouse's ``--min_replicas``).
+        max_workers: the largest quorum the run allows; gamma must be stable for every size in
+            [max(2, min_workers), max_workers] (checked at construction).
+        connect_timeout: seconds to reach the lighthouse (then a clear error).
+        quorum_timeout: seconds a round waits for a quorum of ``min_workers`` (then a clear error). Must
+            exceed the time of one round, since a joiner waits for the others to finish theirs.
+        transfer_timeout: seconds a state transfer to a joining worker may take.
+        heartbeat_interval: seconds between this worker's heartbeats to the lighthouse.
+        gossip_timeout: seconds a send, receive or all-reduce may take before the peer counts as failed.
+        outer_momentum: gamma; ``None`` takes the smallest topology default over the allowed quorum sizes.
+        **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
+            ``ranks_per_worker > 1`` are not supported in the elastic mode).
+    """
+
+    strategy_name = "gasloc_elastic"
+
+    def __init__(
+        self,
+        *,
+        lighthouse: str,
+        worker_id: int,
+        min_workers: int = 1,
+        max_workers: int = 8,
+        connect_timeout: float = 10.0,
+        quorum_timeout: float = 120.0,
+        transfer_timeout: float = 60.0,
+        heartbeat_interval: float = 0.1,
+        gossip_timeout: float = 30.0,
+        **kwargs: Any,
+    ) -> None:
+        _check_int("min_workers", min_workers, 1)
+        _check_int("max_workers", max_workers, min_workers)
+        _check_int("worker_id", worker_id, 0)
+        for name in ("overlap", "network"):
+            if kwargs.get(name):
+                raise ValueError(f"{name} is not supported by {type(self).__name__}; leave it unset")
+        if kwargs.get("message_dtype", "float32") != "float32":
+            raise ValueError(f"{type(self).__name__} sends float32 messages: message_dtype must be 'float32'")
+        if kwargs.get("ranks_per_worker", 1) != 1:
+            raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
+        super().__init__(gossip_timeout=gossip_timeout, **kwargs)
+        self._min_workers, self._max_workers = min_workers, max_workers
+        self._membership_args = dict(
+            lighthouse=lighthouse, worker_id=worker_id, min_workers=min_workers, connect_timeout=connect_timeout,
+            quorum_timeout=quorum_timeout, gossip_timeout=gossip_timeout, transfer_timeout=transfer_timeout,
+            heartbeat_interval=heartbeat_interval,
+        )
+        ElasticMembership(**self._membership_args, state_dict=dict, load_state_dict=print)  # validates the args
+        self._membership: ElasticMembership | None = None
+        self._healed_rounds: list[int] = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def membership(self) -> ElasticMembership:
+        if self._membership is None:
+            raise RuntimeError(f"{type(self).__name__} has not joined yet (it does when fit starts)")
+        return self._membership
+
+    @property
+    def quorum(self) -> Quorum:
+        return self.membership.quorum
+
+    @property
+    def quorum_size(self) -> int:
+        return self._membership.quorum.size if self._membership is not None else 0
+
+    @property
+    def membership_changes(self) -> int:
+        return self._membership.membership_changes if self._membership is not None else 0
+
+    @property
+    def failed_exchanges(self) -> int:
+        return self._transport.failed_exchanges if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def healed_rounds(self) -> list[int]:
+        """Rounds at which this worker took a peer's state."""
+        return list(self._healed_rounds)
+
+    @property
+    def min_workers(self) -> int:
+        return self._min_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self._max_workers
+
+    # ------------------------------------------------------------------ configuration
+    @override
+    def check_configuration(self, world_size: int) -> None:
+        """Resolve gamma and check stability for every quorum size the run allows."""
+        LocalStepsStrategy.check_configuration(self, world_size)
+        if world_size != 1:
+            raise ValueError(
+                f"{type(self).__name__} runs one process per worker (Lightning's world is the worker): "
+                f"set devices=1 and num_nodes=1, got a world of {world_size} processes"
+            )
+        sizes = range(max(2, self._min_workers), self._max_workers + 1)
+        for n in sizes:
+            self._topology.check_world_size(n)
+        if self._requested_momentum is None:
+            defaults = [self._topology.default_outer_momentum(n, self._outer_form) for n in sizes]
+            self._outer_momentum = min(defaults, default=0.0)
+        else:
+            self._outer_momentum = self._requested_momentum
+        if self._topology.name != "local":
+            for n in sizes:
+                self._check_stability(n)
+
+    @override
+    def _init_outer_state(self) -> None:
+        if self._outer_momentum is None:
+            self.check_configuration(self.world_size)
+        params, _ = self.layout.split(self.layout.read())
+        self._outer = OuterState(params, self._outer_lr, self.outer_momentum, self._outer_form)
+
+    # ------------------------------------------------------------------ joining
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._membership = ElasticMembership(
+            **self._membership_args, state_dict=self._peer_state, load_state_dict=self._take_peer_state
+        )
+        self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
+        log.info("joining lighthouse=%s worker_id=%d", self._membership.lighthouse, self._membership.worker_id)
+        self._membership.connect()
+        quorum = self._membership.start_quorum()
+        if quorum.healed:
+            self._align_trainer(in_step=False)
+
+    def _signature(self) -> dict[str, Any]:
+        """What every member of a run must share: the model's exchanged tensors and the hyperparameters."""
+        trainer = self.lightning_module.trainer
+        optimizer = self.optimizers[0]
+        group = optimizer.param_groups[0]
+        return {
+            "model": [self.layout.signature_digest(), self.layout.numel],
+            "inner_steps": self.round_length, "outer_lr": self._outer_lr, "outer_momentum": self.outer_momentum,
+            "outer_form": self._outer_form, "topology": self._topology.name, "seed": self._topology.seed,
+            "max_steps": trainer.max_steps, "optimizer": type(optimizer).__name__,
+            "optimizer_hyperparameters": {k: _plain(group[k]) for k in sorted(group)
+                                          if k not in ("params", "lr") and not isinstance(group[k], Tensor)},
+        }
+
+    def _peer_state(self) -> dict[str, Any]:
+        """This worker's state for a joiner. Called from torchft's quorum thread while this worker's main thread
+        waits in ``start_quorum`` (so nothing moves); copies, since the transport serves them later."""
+        strategy = self.strategy_state_dict()
+        strategy.pop("counters", None)  # traffic counters stay each worker's own
+        return _cloned({
+            "signature": self._signature(),
+            "live": self.layout.read(),
+            "strategy": strategy,
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+        })
+
+    def _take_peer_state(self, state: dict[str, Any]) -> None:
+        self._refuse_if_different(state["signature"])
+        self.layout.scatter(state["live"].to(self.layout.device))
+        self.load_strategy_state_dict(state["strategy"])
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        for config, scheduler_state in zip(self.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(scheduler_state)
+        self._healed_rounds.append(self.round_index)
+        log.info("took a peer's state worker=%s round=%d", self.membership.name, self.round_index)
+
+    def _refuse_if_different(self, theirs: dict[str, Any]) -> None:
+        mine = self._signature()
+        differ = {key: (theirs.get(key), value) for key, value in mine.items() if _plain(theirs.get(key)) != _plain(value)}
+        if differ:
+            details = "; ".join(f"{key}: running={a!r} this worker={b!r}" for key, (a, b) in differ.items())
+            raise ElasticJoinError(
+                f"{self.membership.name} refused to join: its model or hyperparameters differ from the running "
+                f"workers' ({details}). Start it with the same configuration."
+            )
+
+    def _align_trainer(self, in_step: bool) -> None:
+        """Move Lightning's step counters to the quorum's round (a joiner continues where the others are).
+
+        Inside ``optimizer_step`` Lightning has not counted the current step yet: it will add one."""
+        steps = self.round_index * self.round_length - (1 if in_step else 0)
+        loop = self.lightning_module.trainer.fit_loop.epoch_loop
+        for progress in (loop.automatic_optimization.optim_progress.optimizer.step.total,
+                         loop.manual_optimization.optim_step_progress.total):
+            progress.ready = progress.completed = steps
+        batches = loop.batch_progress.total
+        batches.ready = batches.started = steps + (1 if in_step else 0)
+        batches.processed = batches.completed = steps
+        loop._batches_that_stepped = steps
+
+    # ------------------------------------------------------------------ the round
+    @override
+    def peers(self, round_index: int | None = None) -> dict[int, float]:
+        """This worker's peers in the current quorum (indices in its sorted member list) and weights w_ij."""
+        quorum = self.quorum
+        if quorum.size <= 1:
+            return {}
+        t = quorum.max_step if round_index is None else round_index  # identical on every member
+        return self._topology.mixing_weights(quorum.index, quorum.size, t)
+
+    @override
+    @torch.no_grad()
+    def _communicate(self) -> None:
+        layout, outer = self.layout, self._outer
+        message = layout.read()
+        self._guard_local_point(message, outer.round_start)
+        params, buffers = layout.split(message)
+        outer.message(params)  # params now hold u_i
+        mixed = outer.mixed_destination()
+        if self._topology.uses_all_reduce:
+            self._all_reduce_round(message)
+            mixed.copy_(params)
+        else:
+            pending = self._transport.post(message, self.peers(), self.round_index)
+            received, completed = self._transport.complete(pending)
+            received = self._accept(received, completed)
+            n = layout.num_parameter_elements
+            mix(params, [(w, r[:n]) for w, r in received], out=mixed)
+            mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)
+        layout.scatter_parameters(outer.finish(params, mixed))
+        layout.scatter_buffers(buffers)
+
+    def _all_reduce_round(self, message: Tensor) -> None:
+        """The complete graph over the quorum; if a member fails, this worker keeps its own point."""
+        backup = self._transport.receive_buffer(0)
+        backup.copy_(message)
+        try:
+            self._transport.all_reduce_mean(message)
+        except ElasticCollectiveError as error:
+            self._transport.failed_exchanges += 1
+            log.warning("all-reduce round failed round=%d: %s (own point kept)", self.round_index, error)
+            message.copy_(backup)
+
+    @override
+    def end_round(self) -> None:
+        super().end_round()
+        self.membership.commit(self.round_index, self._transport.take_error())
+        if self.membership.start_quorum().healed:  # a worker that stalled and came back
+            self._align_trainer(in_step=True)
+
+    # ------------------------------------------------------------------ consensus over the quorum
+    @override
+    @torch.no_grad()
+    def measure_consensus_distance(self) -> float | None:
+        """Mean over the quorum of ||theta_i - mean(theta)||^2 (None if a member failed meanwhile)."""
+        if self.quorum_size <= 1:
+            return 0.0
+        params, _ = self.layout.split(self.layout.read())
+        mean = self._replica_mean(params)
+        distance = torch.sub(params, mean, out=mean).pow_(2).sum().reshape(1)
+        try:
+            return float(self._transport.all_reduce_mean(distance).item())
+        except ElasticCollectiveError:
+            return None
+
+    @override
+    def _replica_mean(self, flat: Tensor) -> Tensor:
+        mean = self._mean_buffer()[: flat.numel()]
+        mean.copy_(flat)
+        if self.quorum_size > 1:
+            try:
+                self._transport.all_reduce_mean(mean)
+            except ElasticCollectiveError as error:
+                log.warning("average over the quorum failed: %s (this worker's replica used instead)", error)
+                mean.copy_(flat)
+        return mean
+
+    # ------------------------------------------------------------------ wiring
+    @override
+    def _attach_callback(self, trainer: pl.Trainer) -> None:
+        super()._attach_callback(trainer)
+        if not any(isinstance(cb, ElasticMetricsCallback) for cb in trainer.callbacks):
+            trainer.callbacks.append(ElasticMetricsCallback())
+
+    @override
+    def teardown(self) -> None:
+        if self._membership is not None:
+            self._membership.shutdown()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Not registered by name: the elastic arguments (lighthouse, worker_id) have no defaults."""
+
+
+class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
+    """DiLoCo on the same elastic engine: the complete graph over the live quorum (an all-reduce).
+
+    Douillard et al., arXiv 2311.08105. Identical to :class:`ElasticGASLoCStrategy` with ``topology="complete"``
+    (docs/algorithm.md section 2); a failed all-reduce keeps each worker's own point for that round.
+    Takes the same arguments, without ``topology``; ``outer_momentum`` defaults to DiLoCo's 0.9.
+    """
+
+    strategy_name = "diloco_elastic"
+
+    def __init__(self, *, outer_momentum: float | None = 0.9, **kwargs: Any) -> None:
+        if "topology" in kwargs:
+            raise ValueError("ElasticDiLoCoStrategy always uses topology='complete'; do not pass topology")
+        super().__init__(topology="complete", outer_momentum=outer_momentum, **kwargs)
+
+
+class ElasticMetricsCallback(Callback):
+    """Logs ``elastic/quorum_size``, ``elastic/membership_changes`` and ``comm/failed_exchanges`` every step."""
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        strategy = trainer.strategy
+        if not isinstance(strategy, ElasticGASLoCStrategy):
+            return
+        pl_module.log_dict({
+            "elastic/quorum_size": float(strategy.quorum_size),
+            "elastic/membership_changes": float(strategy.membership_changes),
+            "comm/failed_exchanges": float(strategy.failed_exchanges),
+        }, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(item) for item in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """Comparable form of a hyperparameter (tuples and lists alike)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

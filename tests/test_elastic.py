@@ -1,0 +1,140 @@
+"""Elastic membership on torchft: bad input and faults, each with a real lighthouse (fast: no training)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from gasloc_lightning.app.elastic import free_port, lighthouse_command, parse_chaos  # noqa: E402
+from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
+from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
+
+HOST = socket.gethostname()
+
+
+def _membership(address: str, worker_id: int = 0, **overrides) -> ElasticMembership:
+    state = {"x": torch.zeros(3)}
+    settings = dict(lighthouse=address, worker_id=worker_id, min_workers=1, state_dict=lambda: dict(state),
+                    load_state_dict=state.update, connect_timeout=2, quorum_timeout=2, gossip_timeout=2,
+                    transfer_timeout=5)
+    return ElasticMembership(**{**settings, **overrides})
+
+
+@pytest.fixture
+def lighthouse_process():
+    """A ``torchft_lighthouse`` process (min 1 worker, 1 s heartbeat timeout); stopped by pid."""
+    port = free_port()
+    process = subprocess.Popen(lighthouse_command(port, 1, 200, 1000), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"{HOST}:{port}"
+    deadline = time.monotonic() + 10
+    while not lighthouse_reachable(address, timeout=0.2):
+        assert time.monotonic() < deadline and process.poll() is None, "the lighthouse did not start"
+        time.sleep(0.05)
+    yield process, address
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_lighthouse_fails_within_connect_timeout():
+    address = f"{HOST}:{free_port()}"
+    membership = _membership(address, connect_timeout=1)
+    start = time.monotonic()
+    with pytest.raises(MembershipError, match=r"could not reach the lighthouse at http://.*connect_timeout=1s"):
+        membership.connect()
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_quorum_below_min_workers_waits_then_fails_clearly(lighthouse_process, caplog):
+    _, address = lighthouse_process
+    membership = _membership(address, min_workers=2, quorum_timeout=2)
+    membership.connect()
+    try:
+        start = time.monotonic()
+        with caplog.at_level("INFO", logger="gasloc_lightning.comm.membership"):
+            with pytest.raises(MembershipError, match=r"min_workers=2 .*quorum_timeout=2s"):
+                membership.start_quorum()
+        assert 1.5 < time.monotonic() - start < 10
+        assert "waiting for a quorum" in caplog.text
+        start = time.monotonic()  # the failed quorum is not sticky: the next call waits again
+        with pytest.raises(MembershipError):
+            membership.start_quorum()
+        assert time.monotonic() - start > 1.5
+    finally:
+        membership.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_lighthouse_death_fails_clearly_instead_of_hanging(lighthouse_process):
+    process, address = lighthouse_process
+    membership = _membership(address, min_workers=1, quorum_timeout=2)
+    membership.connect()
+    try:
+        quorum = membership.start_quorum()
+        assert quorum.size == 1 and quorum.index == 0 and quorum.names == ["worker_0000"]
+        membership.commit(1)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        with pytest.raises(MembershipError, match="stopped answering"):
+            membership.start_quorum()
+    finally:
+        membership.shutdown()
+
+
+def test_lighthouse_address_is_checked():
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        _membership("no-port-here")
+    with pytest.raises(ValueError, match="min_workers"):
+        _membership(f"{HOST}:1", min_workers=0)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"min_workers": 3, "max_workers": 2}, "max_workers"),
+        ({"overlap": True}, "overlap"),
+        ({"message_dtype": "bfloat16"}, "message_dtype"),
+        ({"worker_id": -1}, "worker_id"),
+        ({"lighthouse": "nowhere"}, "HOST:PORT"),
+    ],
+)
+def test_strategy_arguments_are_validated(arguments, message):
+    settings = {"lighthouse": f"{HOST}:29510", "worker_id": 0, **arguments}
+    with pytest.raises(ValueError, match=message):
+        ElasticGASLoCStrategy(**settings)
+
+
+def test_momentum_is_checked_for_every_allowed_quorum_size():
+    strategy = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, min_workers=2, max_workers=4,
+                                     inner_steps=2)
+    strategy.check_configuration(1)
+    assert 0.0 < strategy.outer_momentum < 1.0
+    # post_mix with gamma 0.99 on one_peer is stable for 2 and 4 workers but not for 3: a quorum of 3 can happen.
+    unstable = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, min_workers=2, max_workers=4,
+                                     outer_momentum=0.99, outer_form="post_mix", topology="one_peer")
+    with pytest.raises(ValueError, match="unstable .* with 3 workers"):
+        unstable.check_configuration(1)
+    two_peer = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, min_workers=2, topology="two_peer")
+    with pytest.raises(ValueError, match="world_size >= 3"):
+        two_peer.check_configuration(1)
+    with pytest.raises(ValueError, match="one process per worker"):
+        strategy.check_configuration(2)
+
+
+def test_chaos_schedule_is_parsed_and_checked():
+    events = parse_chaos(["restart:2@50", "kill:2@40", "stall:1@30:2.5"], workers=3)
+    assert [str(event) for event in events] == ["stall:1@30:2.5", "kill:2@40", "restart:2@50"]
+    for bad in ("kill:3@4", "kill:1", "stall:1@4", "kill:1@4:2", "explode:1@2"):
+        with pytest.raises(ValueError, match="elastic.chaos"):
+            parse_chaos([bad], workers=3)
