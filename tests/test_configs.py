@@ -89,7 +89,7 @@ def test_every_group_has_its_options():
     assert set(_options("strategy")) >= {"gasloc", "diloco", "ddp", "local"}
     topologies = {"one_peer", "two_peer", "ring", "torus", "exponential", "complete", "local"}
     assert set(_options("topology")) >= topologies
-    assert set(_options("model")) >= {"tiny", "small", "gpt2_125m"}
+    assert set(_options("model")) >= {"tiny", "small", "gpt2_125m", "hf_causal_lm", "hf_gpt2_tiny", "hf_llama_tiny"}
     assert set(_options("data")) >= {"stdlib", "text", "hf"}
     assert set(_options("trainer")) >= {"cpu", "gpu"}
     assert set(_options("logger")) >= {"csv", "tensorboard"}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import multiprocessing
 import platform
 import random
+import sys
 import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
@@ -306,8 +306,8 @@ def test_missing_path_is_reported_at_construction(tmp_path):
         ByteDataModule(source=missing, cache_dir=tmp_path)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="would download a dataset")
-def test_hf_source_without_datasets_says_how_to_install(tmp_path):
+def test_hf_source_without_datasets_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: nothing is downloaded
     data = ByteDataModule(source="hf:some/corpus", cache_dir=tmp_path)
     with pytest.raises(ImportError, match="datasets"):
         data.setup("fit")

@@ -118,6 +118,18 @@ class GPTSchema:
 
 
 @dataclass
+class HFCausalLMSchema:
+    """A Hugging Face causal LM from its config (random init, no download): ``model=hf_causal_lm``."""
+
+    _target_: str = "gasloc_lightning.models.HFCausalLMConfig"
+    model_type: Optional[str] = None  # "gpt2", "llama", ...; or null with config_path
+    config_path: Optional[str] = None  # a local config.json (or a folder holding one)
+    overrides: Dict[str, Any] = field(default_factory=dict)  # config fields, e.g. {n_layer: 2}
+    block_size: int = MISSING
+    vocab_size: int = 256
+
+
+@dataclass
 class AdamWSchema:
     """The inner optimizer, a partial completed with the parameter groups by the LightningModule."""
 
@@ -153,9 +165,14 @@ class LanguageModelSchema:
 
 
 @dataclass
+class HFLanguageModelSchema(LanguageModelSchema):
+    model: HFCausalLMSchema = field(default_factory=HFCausalLMSchema)  # type: ignore[assignment]
+
+
+@dataclass
 class ByteDataSchema:
     _target_: str = "gasloc_lightning.data.ByteDataModule"
-    source: str = MISSING  # "stdlib", a path, or "hf:<name>"
+    source: str = MISSING  # "stdlib", a path, "hf:<hub name>" or "hf:<json|csv|text|parquet>:<local files>"
     block_size: int = MISSING
     batch_size: int = 32
     val_fraction: float = 0.05
@@ -224,6 +241,7 @@ _SCHEMAS: dict[tuple[str, str], type] = {
     ("schema/topology", "topology"): TopologySchema,
     ("schema/topology", "bandwidth_aware"): BandwidthAwareTopologySchema,
     ("schema/model", "language_model"): LanguageModelSchema,
+    ("schema/model", "hf_language_model"): HFLanguageModelSchema,
     ("schema/optimizer", "adamw"): AdamWSchema,
     ("schema/optimizer", "sgd"): SGDSchema,
     ("schema/data", "bytes"): ByteDataSchema,

@@ -50,8 +50,11 @@ class ByteDataModule(pl.LightningDataModule):
 
     Args:
         source: "stdlib" (the standard library's source), a path to a text file or folder,
-            or "hf:<dataset name>" (needs the optional ``datasets`` package; its text column is
-            read into memory once, to build the cache).
+            "hf:<dataset name>" (a hub dataset), or "hf:<builder>:<local files>" with builder
+            json, csv, text, parquet or arrow (e.g. "hf:json:/data/docs.jsonl", a glob allowed;
+            read offline by ``datasets``' packaged builder, one record = one document). Both
+            need the optional ``datasets`` package; the text column is read into memory once,
+            to build the cache.
         block_size: tokens per training example (T).
         batch_size: examples per batch on each worker (B).
         val_fraction: share of documents (of bytes, for a single file) held out, in (0, 1).

@@ -82,17 +82,26 @@ def _file_pieces(root: Path, files: list[Path]) -> list[_Piece]:
     return [_Piece(key=path.relative_to(root).as_posix(), read=path.read_bytes) for path in files]
 
 
-def _hf_pieces(name: str, split: str, text_field: str) -> list[_Piece]:
+# datasets' packaged builders for local files: "hf:<builder>:<path or glob>" loads no script and
+# downloads nothing.
+HF_LOCAL_BUILDERS = ("json", "csv", "text", "parquet", "arrow")
+
+
+def _hf_pieces(name: str, split: str, text_field: str, data_files: str | None = None) -> list[_Piece]:
+    shown = name if data_files is None else f"{name}:{data_files}"
     try:
         import datasets  # optional dependency, imported only when asked for
     except ImportError as error:
         raise ImportError(
-            f"source='hf:{name}' needs the optional 'datasets' package: pip install 'gasloc-lightning[hf]'"
+            f"source='hf:{shown}' needs the optional 'datasets' package: pip install 'gasloc-lightning[hf]'"
         ) from error
-    dataset = datasets.load_dataset(name, split=split)
+    if data_files is None:
+        dataset = datasets.load_dataset(name, split=split)
+    else:
+        dataset = datasets.load_dataset(name, data_files=data_files, split=split)
     if text_field not in dataset.column_names:
         raise ValueError(
-            f"hf_text_field={text_field!r} is not a column of {name}; columns: {dataset.column_names}"
+            f"hf_text_field={text_field!r} is not a column of {shown}; columns: {dataset.column_names}"
         )
     texts = dataset[text_field]
     return [_Piece(key=str(i), read=lambda text=text: text.encode("utf-8")) for i, text in enumerate(texts)]
@@ -139,6 +148,7 @@ class _Source:
     hf_name: str = ""
     hf_split: str = "train"
     hf_text_field: str = "text"
+    hf_data_files: str | None = None  # local files read by the builder hf_name (json, text, ...)
 
     def pieces(self) -> list[_Piece]:
         if self.kind == "stdlib":
@@ -147,10 +157,12 @@ class _Source:
             return _file_pieces(self.path, _folder_files(self.path))
         if self.kind == "file":
             return [_Piece(key=self.path.name, read=self.path.read_bytes)]
-        return _hf_pieces(self.hf_name, self.hf_split, self.hf_text_field)
+        return _hf_pieces(self.hf_name, self.hf_split, self.hf_text_field, self.hf_data_files)
 
     def describe(self) -> str:
-        return f"hf:{self.hf_name}" if self.kind == "hf" else str(self.path or "stdlib")
+        if self.kind != "hf":
+            return str(self.path or "stdlib")
+        return f"hf:{self.hf_name}" + (f":{self.hf_data_files}" if self.hf_data_files is not None else "")
 
 
 def _parse_source(source: str | os.PathLike, hf_split: str, hf_text_field: str) -> _Source:
@@ -159,11 +171,24 @@ def _parse_source(source: str | os.PathLike, hf_split: str, hf_text_field: str) 
     if isinstance(source, str) and source.startswith("hf:"):
         if not source[3:]:
             raise ValueError("source='hf:<name>' needs a dataset name after 'hf:'")
+        builder, _, files = source[3:].partition(":")
+        if builder in HF_LOCAL_BUILDERS:
+            return _local_hf_source(builder, files, hf_split, hf_text_field)
         return _Source("hf", hf_name=source[3:], hf_split=hf_split, hf_text_field=hf_text_field)
     path = Path(source).expanduser().resolve()
     if not path.exists():
         raise FileNotFoundError(f"source path does not exist: {path}")
     return _Source("folder" if path.is_dir() else "file", path=path)
+
+
+def _local_hf_source(builder: str, files: str, hf_split: str, hf_text_field: str) -> _Source:
+    """``hf:<builder>:<path>``: local files through a packaged ``datasets`` builder (a glob is allowed)."""
+    if not files:
+        raise ValueError(f"source='hf:{builder}:<path>' needs the local files after 'hf:{builder}:'")
+    path = str(Path(files).expanduser().resolve())
+    if not any(char in files for char in "*?[") and not Path(path).exists():
+        raise FileNotFoundError(f"source path does not exist: {path}")
+    return _Source("hf", hf_name=builder, hf_split=hf_split, hf_text_field=hf_text_field, hf_data_files=path)
 
 
 @dataclass(frozen=True)

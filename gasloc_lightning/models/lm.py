@@ -23,6 +23,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
 from gasloc_lightning.models.gpt import GPT, PRESETS, GPTConfig
+from gasloc_lightning.models.hf import HFCausalLM, HFCausalLMConfig
 
 OptimizerFactory = Callable[[Iterable[Any]], Optimizer]
 
@@ -78,23 +79,32 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _to_config(model: GPTConfig | dict | str) -> GPTConfig:
-    if isinstance(model, GPTConfig):
+ModelConfig = GPTConfig | HFCausalLMConfig
+
+
+def _to_config(model: ModelConfig | dict | str) -> ModelConfig:
+    if isinstance(model, (GPTConfig, HFCausalLMConfig)):
         return model
     if isinstance(model, str):
         return GPTConfig.preset(model)
-    if isinstance(model, Mapping):  # a dict or an OmegaConf DictConfig
-        unknown = set(model) - {field.name for field in fields(GPTConfig)}
+    if isinstance(model, Mapping):  # a dict or an OmegaConf DictConfig (e.g. hparams from a checkpoint)
+        kind = HFCausalLMConfig if {"model_type", "config_path"} & set(model) else GPTConfig
+        unknown = set(model) - {field.name for field in fields(kind)}
         if unknown:
-            raise ValueError(f"model has unknown GPTConfig fields {sorted(unknown)}")
-        return GPTConfig(**model)
+            raise ValueError(f"model has unknown {kind.__name__} fields {sorted(unknown)}")
+        return kind(**model)
     raise ValueError(
-        f"model must be a GPTConfig, a dict of its fields or one of {sorted(PRESETS)}, got {model!r}"
+        f"model must be a GPTConfig, an HFCausalLMConfig, a dict of the fields of either or one of "
+        f"{sorted(PRESETS)}, got {model!r}"
     )
 
 
+def _build_network(config: ModelConfig) -> nn.Module:
+    return HFCausalLM(config) if isinstance(config, HFCausalLMConfig) else GPT(config)
+
+
 class LanguageModel(pl.LightningModule):
-    """Next-byte language model: a :class:`GPT` trained with cross-entropy.
+    """Next-byte language model: a :class:`GPT` (or a Hugging Face causal LM) trained with cross-entropy.
 
     Batches are ``(x, y)`` pairs of (B, T) long tensors with ``y`` shifted one byte ahead.
 
@@ -107,7 +117,9 @@ class LanguageModel(pl.LightningModule):
           cross-entropy and its exponential, synchronised across ranks.
 
     Args:
-        model: a :class:`GPTConfig`, a dict of its fields, or a preset name ("tiny", "small",
+        model: a :class:`GPTConfig`, an :class:`HFCausalLMConfig` (any transformers causal LM,
+            random init), a dict of the fields of either (one with ``model_type`` or
+            ``config_path`` is a Hugging Face model), or a GPT preset name ("tiny", "small",
             "gpt2_125m").
         optimizer: builds the inner optimizer from parameter groups (a list of dicts, as torch
             optimizers accept), e.g. a Hydra ``_partial_: true`` node; None means AdamW(lr=3e-4,
@@ -123,7 +135,7 @@ class LanguageModel(pl.LightningModule):
     def __init__(
         self,
         *,
-        model: GPTConfig | dict | str = "tiny",
+        model: ModelConfig | dict | str = "tiny",
         optimizer: OptimizerFactory | None = None,
         warmup_steps: int = 0,
         max_steps: int | None = None,
@@ -149,7 +161,7 @@ class LanguageModel(pl.LightningModule):
             }
         )
         self.config = config
-        self.model = GPT(config)
+        self.model = _build_network(config)
         self._optimizer_factory = optimizer or default_optimizer
         self.tokens_seen = 0  # per worker; a plain int so gossip/averaging never touches it
         self.val_loss, self.val_ppl = MeanMetric(), Perplexity()
