@@ -64,7 +64,7 @@ def _parameters(cls) -> tuple[set[str], bool]:
 
 
 def _nodes(node):
-    if isinstance(node, DictConfig):
+    if isinstance(node, DictConfig) and not node._is_none():  # a typed dict left null (worker_ddp_kwargs)
         if "_target_" in node:
             yield node
         for key in node:

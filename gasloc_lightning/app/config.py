@@ -66,6 +66,8 @@ class LocalStepsSchema:
     on_nonfinite: str = "skip_round"
     max_skipped_rounds: int = 3
     ranks_per_worker: int = 1
+    worker_ddp_kwargs: Optional[Dict[str, Any]] = None  # DDP's arguments inside a worker of several ranks
+    trust_checkpoint_code: bool = False  # load checkpoint files a safe load refuses (only files you trust)
     network: Any = None  # a NetworkModel node, for the simulated clock
     fastest_inner_steps: int = 50
     start_method: str = "spawn"
