@@ -38,7 +38,7 @@ from gasloc_lightning.topology import build_topology
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024)
 GRAPHS = ("ring", "two_peer", "one_peer", "exponential")
-GAMMAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998)
+GAMMAS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998)
 REDUCTION = 1e-3
 
 
@@ -99,6 +99,8 @@ def acceleration(sizes: tuple[int, ...]) -> dict:
             if graph == "exponential" and n & (n - 1):
                 continue
             plain = rounds_from_rate(_rate(graph, n, 0.0, "anchored"))
+            if plain == 1.0 and build_topology(graph).schedule_period(n):  # rate 0: exact after one period
+                plain = float(build_topology(graph).schedule_period(n))
             row = {"n": n, "plain": plain, "anchored": tuned(graph, n, "anchored"),
                    "post_mix": tuned(graph, n, "post_mix") if graph in ("ring", "exponential") else None}
             if n <= 64:
