@@ -59,7 +59,7 @@ class WorkerClocks:
         if not self.enabled or self._pending is None:
             return
         peers, pairs, nbytes = self._pending
-        for i, posted in self._posted.items():
+        for i in self._posted:
             peer_clocks = {j: self._posted[j] for j in peers.get(i, {})}
             self.clocks[i].complete_exchange(peer_clocks=peer_clocks, pairs=pairs, nbytes=nbytes)
         self._pending = None
