@@ -183,6 +183,14 @@ class ElasticRun:
             record = self._write_worker_config(worker)
             self.workers.append(record)
             self._spawn(record)
+        for record in self.workers:
+            self._prepare_spare(record, self.events)
+
+    def _prepare_spare(self, record: WorkerRecord, pending: list[ChaosEvent]) -> None:
+        """A worker due to be restarted gets its next process now, held after its imports and set-up, so the
+        restart joins at its step instead of seconds later (the seconds of importing torch are not the point)."""
+        if record.spare is None and any(e.action == "restart" and e.worker == record.worker for e in pending):
+            self._spawn(record, held=True)
 
     def _start_lighthouse(self) -> None:
         port = self.elastic.lighthouse_port or free_port()
@@ -280,6 +288,7 @@ class ElasticRun:
                 self._release_spare(record)
             else:
                 self._spawn(record)
+            self._prepare_spare(record, pending)
             return
         if not record.running:
             print(f"  worker {event.worker} is not running: {event.action} skipped", flush=True)
@@ -289,8 +298,6 @@ class ElasticRun:
             record.killed = True
             record.process.send_signal(signal.SIGKILL)
             record.process.wait()
-            if any(e.action == "restart" and e.worker == event.worker for e in pending):
-                self._spawn(record, held=True)  # warm: imports now, joins at its restart step
         else:
             record.process.send_signal(signal.SIGSTOP)
             record.stalled_until = time.monotonic() + event.seconds

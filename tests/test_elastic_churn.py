@@ -1,0 +1,98 @@
+"""Elastic GASLoC under churn: real worker processes, a real lighthouse, the gasloc-elastic launcher.
+
+Tiny GPT, H = 5, 3 workers on CPU. Each test checks that the workers that should finish reach
+max_steps and end on the same model (the end-of-fit average over the live quorum), and that no
+process the launcher started is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from app_utils import CONF, shared_cache_dir  # noqa: E402
+from gasloc_lightning.app.elastic import run_elastic  # noqa: E402
+from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
+from gasloc_lightning.data import ByteDataModule  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+MAX_STEPS = 150
+FAST = [
+    "model=tiny", "data=stdlib", "trainer=cpu", "inner_steps=5", f"trainer.max_steps={MAX_STEPS}",
+    f"trainer.val_check_interval={MAX_STEPS}", "trainer.enable_progress_bar=false", "data.batch_size=4",
+    "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0", "elastic.workers=3",
+    "elastic.min_workers=2", "elastic.heartbeat_timeout_ms=1500", "elastic.join_timeout_ms=5000",
+    "elastic.gossip_timeout=3", "elastic.quorum_timeout=60", "elastic.timeout_s=240",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    path = shared_cache_dir(tmp_path_factory)
+    ByteDataModule(source="stdlib", block_size=64, cache_dir=path).prepare_data()  # once, not by 3 racing workers
+    return path
+
+
+def _run(overrides: list[str], output_dir: Path, cache_dir: Path) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="elastic/app",
+                      overrides=[*FAST, *overrides, f"output_dir={output_dir}", f"cache_dir={cache_dir}"])
+    return run_elastic(cfg)
+
+
+def _progress(output_dir: Path, worker: int) -> dict:
+    return read_progress(output_dir / f"worker_{worker}") or {}
+
+
+def _assert_nothing_left(summary: dict) -> None:
+    for pid in summary["pids"]:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
+        assert "zombie" in status, f"process {pid} started by the launcher is still running"
+
+
+@pytest.mark.timeout(240)
+def test_killed_worker_survivors_go_on_and_the_restarted_one_rejoins(tmp_path, cache_dir):
+    summary = _run(["elastic.chaos=[kill:2@15,restart:2@30]"], tmp_path, cache_dir)
+    rows = {row["worker"]: row for row in summary["workers"]}
+    assert all(row["exit_code"] == 0 and row["final_step"] == MAX_STEPS for row in rows.values()), rows
+    progress = [_progress(tmp_path, worker) for worker in range(3)]
+    checksums = {record["model_checksum"] for record in progress}
+    assert len(checksums) == 1, f"the workers did not end on the same consensus: {progress}"
+    assert len({row["val_loss"] for row in rows.values()}) == 1
+    assert rows[2]["incarnations"] == 2 and progress[2]["healed_rounds"], "the restarted worker took no peer state"
+    assert rows[2]["applied_steps"] + progress[2]["applied"] < 2 * MAX_STEPS
+    assert sum(record["failed_exchanges"] for record in progress) >= 0
+    summary_file = json.loads((tmp_path / "worker_2" / "summary.json").read_text())
+    assert summary_file["final"]["step"] == MAX_STEPS
+    _assert_nothing_left(summary)
+
+
+@pytest.mark.timeout(240)
+def test_stalled_worker_is_dropped_and_the_others_go_on(tmp_path, cache_dir):
+    try:
+        summary = _run(["elastic.chaos=[stall:1@15:6]"], tmp_path, cache_dir)
+    except RuntimeError as error:  # the stalled worker may fail clearly instead of rejoining
+        assert "worker(s) [1] failed" in str(error)
+        assert _progress(tmp_path, 1)["state"] == "failed" and _progress(tmp_path, 1)["error"]
+        summary = json.loads((tmp_path / "elastic_summary.json").read_text())
+    rows = {row["worker"]: row for row in summary["workers"]}
+    for worker in (0, 2):
+        assert rows[worker]["exit_code"] == 0 and rows[worker]["final_step"] == MAX_STEPS, rows
+    survivors = [_progress(tmp_path, worker) for worker in (0, 2)]
+    assert survivors[0]["model_checksum"] == survivors[1]["model_checksum"]
+    assert max(record["membership_changes"] for record in survivors) >= 1, "the stalled worker was never dropped"
+    if rows[1]["exit_code"] == 0:  # it came back: it took a peer's state and ended on the same consensus
+        assert _progress(tmp_path, 1)["model_checksum"] == survivors[0]["model_checksum"]
+    _assert_nothing_left(summary)
