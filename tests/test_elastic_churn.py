@@ -30,7 +30,7 @@ FAST = [
     f"trainer.val_check_interval={MAX_STEPS}", "trainer.enable_progress_bar=false", "data.batch_size=4",
     "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0", "elastic.workers=3",
     "elastic.min_workers=2", "elastic.heartbeat_timeout_ms=1500", "elastic.join_timeout_ms=5000",
-    "elastic.gossip_timeout=3", "elastic.quorum_timeout=60", "elastic.timeout_s=240",
+    "elastic.gossip_timeout=3", "elastic.quorum_timeout=20", "elastic.timeout_s=240",
 ]
 
 
