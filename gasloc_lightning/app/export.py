@@ -8,13 +8,18 @@ from gasloc_lightning.plugins.per_rank import CheckpointFormatError, export_cons
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``gasloc-export CKPT_DIR OUT.ckpt``: average the replicas into one standard checkpoint."""
+    """``gasloc-export CKPT_DIR OUT.ckpt [--trust-checkpoint-code]``: average the replicas into one checkpoint."""
     parser = argparse.ArgumentParser(prog="gasloc-export", description=export_consensus.__doc__.splitlines()[0])
-    parser.add_argument("checkpoint_dir", help="a per-rank checkpoint directory written by GASLoC or DiLoCo")
-    parser.add_argument("output", help="path of the single-file consensus checkpoint to write")
+    parser.add_argument("checkpoint_dir", help="a per-rank checkpoint directory written by GASLoC or DiLoCo (path or URL)")
+    parser.add_argument("output", help="path or URL of the single-file consensus checkpoint to write")
+    parser.add_argument(
+        "--trust-checkpoint-code", action="store_true",
+        help="load files that a safe load refuses (torch.load(weights_only=False)): this runs code stored in the "
+             "checkpoint, so use it only for files you trust",
+    )
     args = parser.parse_args(argv)
     try:
-        report = export_consensus(args.checkpoint_dir, args.output)
+        report = export_consensus(args.checkpoint_dir, args.output, weights_only=not args.trust_checkpoint_code)
     except CheckpointFormatError as error:
         parser.exit(2, f"gasloc-export: error: {error}\n")
     print(

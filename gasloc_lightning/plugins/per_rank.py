@@ -1,76 +1,83 @@
-"""Per-rank checkpoint directories and the consensus export.
+"""Per-rank checkpoint directories: the format, its file helpers and the consensus export.
 
-In GASLoC every rank holds different parameters, its own inner and outer optimizer state and its
-own RNG streams, so a checkpoint is a directory::
+In GASLoC every rank holds different parameters, its own inner and outer optimizer state, its own
+RNG streams and its own data position, so a checkpoint is a directory::
 
     epoch=0-step=100.ckpt/
-        shared.ckpt     loops, callbacks, hyper-parameters: identical on every rank, written once by rank 0
-        rank_0.ckpt     rank 0's replica, optimizer and scheduler states, GASLoC state, RNG states
-        rank_1.ckpt     ...
-        meta.json       format, world size, written last: a directory without it is incomplete
+        meta.json     format, world size, global step and the save's id, written by rank 0
+        shared.ckpt   epoch, step and hyper-parameters: identical on every rank, written by rank 0
+        rank_0.ckpt   rank 0's replica, optimizer and scheduler states, loops (its dataloader's position),
+                      callbacks, GASLoC state, RNG states
+        rank_1.ckpt   ...
 
-Every file is written to a temporary name and renamed, so a crash never leaves a truncated file
-under a final name. The matching sequence needs no saving: it is a pure function of seed and round.
+Each file is written through fsspec in a transaction (to a temporary file, moved on commit, as
+Lightning's own ``_atomic_save``), so paths may be local paths or URLs (``file://``, ``s3://``,
+``memory://``...). The files are written in any order, also from ``AsyncCheckpointIO``'s thread:
+a directory is complete when ``meta.json`` exists and ``shared.ckpt`` and every rank file carry
+its save id, so a reader tells a complete directory from one that a crash (or a save still in
+flight) left mixed. The matching sequence needs no saving: it is a pure function of seed and round.
+
+Loading is safe by default: ``torch.load(weights_only=True)``, which runs no code from the file.
+Checkpoints written by this package hold only tensors and plain data (the numpy RNG state is
+stored as a tensor), so they load that way. A file that needs more (e.g. hyper-parameters holding a
+``functools.partial``) is refused with an :class:`UntrustedCheckpointError` naming it, unless the
+caller opts in (the strategy's ``trust_checkpoint_code=True``, ``gasloc-export --trust-checkpoint-code``,
+``weights_only=False`` here), which lets the file run code: only for files you trust.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import logging
 import os
 import pickle
-import random
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from fsspec import AbstractFileSystem
+from fsspec.core import url_to_fs
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
-log = logging.getLogger(__name__)
-
-FORMAT = "gasloc-per-rank-v1"
+FORMAT = "gasloc-per-rank-v2"
+READABLE_FORMATS = ("gasloc-per-rank-v1", FORMAT)  # v1: loops and callbacks in shared.ckpt, no save id
 META_FILE = "meta.json"
 SHARED_FILE = "shared.ckpt"
-# Identical on every rank: kept once, in the shared file.
-SHARED_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks", "hyper_parameters",
-               "hparams_name", "datamodule_hyper_parameters", "hparams_type")
+# Identical on every rank: kept once, in the shared file. Loops (which hold stateful dataloaders'
+# positions) and callbacks differ per rank and stay in the rank files.
+SHARED_KEYS = ("epoch", "global_step", "pytorch-lightning_version", "hyper_parameters", "hparams_name",
+               "datamodule_hyper_parameters", "hparams_type")
+TRUST_HINT = ("pass trust_checkpoint_code=True to the strategy (GASLoCStrategy(..., trust_checkpoint_code=True)), "
+              "use gasloc-export --trust-checkpoint-code, or weights_only=False in a direct call")
 
 
 class CheckpointFormatError(RuntimeError):
     """A checkpoint file or directory is missing, truncated or not in the expected format."""
 
 
-def rank_file(directory: str | os.PathLike, rank: int) -> Path:
-    return Path(directory) / f"rank_{rank}.ckpt"
+class UntrustedCheckpointError(CheckpointFormatError):
+    """A checkpoint file holds objects that only an unsafe load (``weights_only=False``) would build."""
 
 
-def is_per_rank_checkpoint(path: str | os.PathLike) -> bool:
-    return (Path(path) / META_FILE).is_file()
+# ------------------------------------------------------------------ paths
+def filesystem(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> tuple[AbstractFileSystem, str]:
+    """The fsspec filesystem of a local path or URL, and the path inside it."""
+    return url_to_fs(os.fspath(path), **dict(storage_options or {}))
 
 
-def capture_rng_states() -> dict[str, Any]:
-    """The RNG states a resumed run needs to draw the same numbers (torch CPU and CUDA, Python)."""
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state_to_list(random.getstate())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
+def join(directory: str | os.PathLike, name: str) -> str:
+    """``directory/name`` for local paths and URLs alike (``pathlib`` would turn ``file:///x`` into ``file:/x``)."""
+    return os.fspath(directory).rstrip("/") + "/" + name
 
 
-def restore_rng_states(states: Mapping[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(_python_state_from_list(states["python"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+def rank_file(directory: str | os.PathLike, rank: int) -> str:
+    return join(directory, f"rank_{rank}.ckpt")
 
 
-def _python_state_to_list(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _python_state_from_list(state: list) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
+def is_per_rank_checkpoint(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> bool:
+    fs, directory = filesystem(path, storage_options)
+    return fs.isfile(join(directory, META_FILE))
 
 
 def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -80,54 +87,134 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     return shared, own
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+# ------------------------------------------------------------------ RNG states
+def rng_state_dict() -> dict[str, Any]:
+    """Lightning's RNG states (torch, CUDA once initialised, numpy, Python), numpy's keys as a tensor so
+    the file loads with ``weights_only=True``."""
+    include_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # never initialise CUDA here
+    states = _collect_rng_states(include_cuda=include_cuda)
+    name, keys, position, has_gauss, gauss = states["numpy"]
+    states["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss)
+    return states
 
 
-def write_meta(directory: Path, world_size: int, global_step: int) -> None:
-    meta = {"format": FORMAT, "world_size": world_size, "global_step": global_step}
-    tmp = directory / f".{META_FILE}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, directory / META_FILE)
+def load_rng_state_dict(states: Mapping[str, Any]) -> None:
+    """Restore states from :func:`rng_state_dict` (or a v1 checkpoint's, which had no numpy state)."""
+    states = dict(states)
+    if "cuda" in states:  # v1's name
+        states["torch.cuda"] = states.pop("cuda")
+    if "numpy" in states:
+        name, keys, position, has_gauss, gauss = states["numpy"]
+        states["numpy"] = (name, keys.numpy().astype(np.uint32), position, has_gauss, gauss)
+    _set_rng_states(states)
 
 
-def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    path = Path(directory) / META_FILE
-    if not path.is_file():
+# ------------------------------------------------------------------ files
+def save_file(obj: Any, path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> None:
+    """``torch.save`` to a local path or URL, committed whole. As Lightning's ``_atomic_save``, which takes
+    no ``storage_options``."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _write_bytes(buffer.getvalue(), path, storage_options)
+
+
+def _write_bytes(data: bytes, path: str | os.PathLike, storage_options: Mapping[str, Any] | None) -> None:
+    fs, fs_path = filesystem(path, storage_options)
+    with fs.transaction, fs.open(fs_path, "wb") as file:  # a temporary file, moved to fs_path on commit
+        file.write(data)
+
+
+def load_file(
+    path: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    map_location: Any = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``torch.load`` of a local path or URL, safe unless ``weights_only=False``, with errors that name the file."""
+    fs, fs_path = filesystem(path, storage_options)
+    if not fs.isfile(fs_path):
+        raise CheckpointFormatError(f"checkpoint file {path} is missing")
+    try:
+        with fs.open(fs_path, "rb") as file:
+            return torch.load(file, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        if weights_only and "weights_only" in str(error).lower():
+            raise UntrustedCheckpointError(
+                f"checkpoint file {path} holds objects that a safe load (weights_only=True) refuses: loading it "
+                f"would run code from the file. If you trust the file, {TRUST_HINT}. Refused: "
+                f"{_first_line(error)}"
+            ) from error
+        raise CheckpointFormatError(f"checkpoint file {path} is corrupt or not a torch checkpoint: {error}") from error
+    except (RuntimeError, EOFError, OSError, ValueError) as error:
+        raise CheckpointFormatError(f"checkpoint file {path} is truncated or not a torch checkpoint: {error}") from error
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if "Unsupported global" in line or "GLOBAL" in line]
+    return (lines or str(error).splitlines() or [""])[0].strip()
+
+
+# ------------------------------------------------------------------ meta.json
+def write_meta(
+    directory: str | os.PathLike,
+    *,
+    world_size: int,
+    global_step: int,
+    save_id: int,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    meta = {"format": FORMAT, "world_size": world_size, "global_step": global_step, "save_id": save_id}
+    _write_bytes(json.dumps(meta, indent=2).encode(), join(directory, META_FILE), storage_options)
+
+
+def read_meta(directory: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    path = join(directory, META_FILE)
+    fs, fs_path = filesystem(path, storage_options)
+    if not fs.isfile(fs_path):
         raise CheckpointFormatError(
             f"{directory} is not a complete GASLoC checkpoint directory (no {META_FILE}: it was not written to "
             "the end, or it is a single-file checkpoint)"
         )
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(fs.cat_file(fs_path))
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointFormatError(f"{path} is unreadable: {error}") from error
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in READABLE_FORMATS:
         raise CheckpointFormatError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
 
 
-def load_file(path: Path) -> dict[str, Any]:
-    """``torch.load`` with ``weights_only=True`` where the content allows it, and errors that name the file."""
-    if not path.is_file():
-        raise CheckpointFormatError(f"checkpoint file {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "weights_only" not in str(error):
-            raise CheckpointFormatError(f"checkpoint file {path} is corrupt or not a torch checkpoint: {error}") from error
-        # Hyper-parameters may hold arbitrary objects (e.g. a partial optimizer): trusted files written by us.
-        log.info("loading %s with weights_only=False (it holds non-tensor hyper-parameters)", path)
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError) as error:
-        raise CheckpointFormatError(f"checkpoint file {path} is truncated or not a torch checkpoint: {error}") from error
+def _check_save_id(meta: Mapping[str, Any], part: Mapping[str, Any], path: str) -> None:
+    if "save_id" not in meta:  # v1
+        return
+    found = part.get("gasloc", {}).get("save_id")
+    if found != meta["save_id"]:
+        raise CheckpointFormatError(
+            f"checkpoint file {path} belongs to another save than its directory's {META_FILE} (save id {found} != "
+            f"{meta['save_id']}): the directory was not written to the end (a crash, or a save still in flight)"
+        )
 
 
-def load_rank_checkpoint(directory: str | os.PathLike, rank: int, world_size: int) -> dict[str, Any]:
-    """The full Lightning checkpoint of ``rank``: the shared part merged with the rank's own file."""
-    meta = read_meta(directory)
+# ------------------------------------------------------------------ reading and exporting
+def load_rank_checkpoint(
+    directory: str | os.PathLike,
+    rank: int,
+    world_size: int,
+    *,
+    weights_only: bool = True,
+    map_location: Any = "cpu",
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The full Lightning checkpoint of ``rank``: the shared part merged with the rank's own file.
+
+    Args:
+        directory: a per-rank checkpoint directory (local path or URL).
+        rank, world_size: the reading rank, and the world size it runs with (must be the saved one).
+        weights_only: False lets the files run code while loading: only for files you trust.
+        map_location, storage_options: as in ``torch.load`` and fsspec.
+    """
+    meta = read_meta(directory, storage_options)
     if meta["world_size"] != world_size:
         raise CheckpointFormatError(
             f"checkpoint {directory} was saved by {meta['world_size']} workers, this run has {world_size}: "
@@ -135,26 +222,46 @@ def load_rank_checkpoint(directory: str | os.PathLike, rank: int, world_size: in
             f"model with `gasloc-export {directory} consensus.ckpt` and start a new run from it "
             "(e.g. LightningModule.load_from_checkpoint), or resume with the original world size."
         )
-    checkpoint = load_file(Path(directory) / SHARED_FILE)
-    checkpoint.update(load_file(rank_file(directory, rank)))
+    options = {"weights_only": weights_only, "map_location": map_location, "storage_options": storage_options}
+    checkpoint = {}
+    for path in (join(directory, SHARED_FILE), rank_file(directory, rank)):
+        part = load_file(path, **options)
+        _check_save_id(meta, part, path)
+        checkpoint.update(part)
+    saved_rank = checkpoint.get("gasloc", {}).get("rank", rank)
+    if saved_rank != rank:
+        raise CheckpointFormatError(f"checkpoint file {rank_file(directory, rank)} holds rank {saved_rank}'s state")
     return checkpoint
 
 
-def export_consensus(directory: str | os.PathLike, output: str | os.PathLike) -> dict[str, float]:
+def export_consensus(
+    directory: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, float]:
     """Average the replicas of a per-rank checkpoint into one standard Lightning checkpoint.
 
     The result loads with ``LightningModule.load_from_checkpoint`` and with plain
     ``torch.load(...)["state_dict"]``. Floating tensors are averaged; integer ones (step counters)
     are taken from rank 0.
 
+    Args:
+        directory, output: the per-rank checkpoint directory and the file to write (local paths or URLs).
+        weights_only: False lets the files run code while loading: only for files you trust.
+        storage_options: fsspec options for both paths.
+
     Returns:
         ``{"world_size", "consensus_distance"}``: the mean squared distance of the replicas to the
         average, over floating tensors, that the export averaged away.
     """
-    meta = read_meta(directory)
-    world_size = meta["world_size"]
-    shared = load_file(Path(directory) / SHARED_FILE)
-    states = [load_file(rank_file(directory, r))["state_dict"] for r in range(world_size)]
+    world_size = read_meta(directory, storage_options)["world_size"]
+    options = {"weights_only": weights_only, "storage_options": storage_options}
+    first = load_rank_checkpoint(directory, 0, world_size, **options)
+    states = [first["state_dict"]] + [
+        load_rank_checkpoint(directory, r, world_size, **options)["state_dict"] for r in range(1, world_size)
+    ]
     average = {}
     distance = 0.0
     for name, reference in states[0].items():
@@ -165,9 +272,9 @@ def export_consensus(directory: str | os.PathLike, output: str | os.PathLike) ->
         mean = stacked.mean(0)
         distance += float(((stacked - mean) ** 2).sum()) / world_size
         average[name] = mean.to(reference.dtype)
-    exported = {k: v for k, v in shared.items() if k in ("epoch", "global_step", "pytorch-lightning_version",
-                                                          "hyper_parameters", "hparams_name")}
+    exported = {k: v for k, v in first.items() if k in ("epoch", "global_step", "pytorch-lightning_version",
+                                                         "hyper_parameters", "hparams_name")}
     exported["state_dict"] = average
-    exported["gasloc_export"] = {"source": str(directory), "world_size": world_size, "consensus_distance": distance}
-    atomic_save(exported, Path(output))
+    exported["gasloc_export"] = {"source": os.fspath(directory), "world_size": world_size, "consensus_distance": distance}
+    save_file(exported, output, storage_options)
     return {"world_size": world_size, "consensus_distance": distance}
