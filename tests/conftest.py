@@ -1,4 +1,4 @@
-"""Shared fixtures: a fresh port per launch, and no leaked environment or process group between tests."""
+"""Shared fixtures: a fresh port per launch; no leaked environment, thread count or process group between tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+# OMP_NUM_THREADS too: Lightning's launchers set it in the launching process, and a later test's forked
+# workers would then keep the parent's thread count.
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+             "OMP_NUM_THREADS")
 
 
 def free_port() -> int:
@@ -21,7 +24,9 @@ def free_port() -> int:
 @pytest.fixture(autouse=True)
 def _restore_distributed_state():
     saved = {key: os.environ.get(key) for key in _DIST_ENV}
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     for key, value in saved.items():

@@ -110,3 +110,63 @@ def test_workers_exit_when_their_launcher_is_killed(tmp_path, fresh_port):
         if process.poll() is None:
             process.kill()
     assert_all_gone([pid for pid in pids if pid != process.pid], within=15)
+
+
+FORK_AFTER_OPENMP = textwrap.dedent(
+    """
+    import os, sys
+    import torch, lightning.pytorch as pl
+    from torch import nn
+    from gasloc_lightning import GASLoCStrategy
+
+    class Wide(pl.LightningModule):  # 65k parameters: the round's copies run as OpenMP parallel regions
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(256, 256)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 256)), batch_size=8)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    if __name__ == "__main__":
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).add_(1).sum()  # the launching process runs a two-thread OpenMP region first
+        strategy = GASLoCStrategy(inner_steps=2, start_method="fork", gossip_timeout=30.0)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             use_distributed_sampler=False, default_root_dir=sys.argv[1])
+        trainer.fit(Wide())
+        print("threads in the workers: 1, fit done")
+    """
+)
+
+
+@pytest.mark.timeout(150)
+def test_forked_workers_run_one_thread_even_when_omp_num_threads_is_set(tmp_path, fresh_port):
+    """A forked worker with the parent's 2 threads waits forever for OpenMP's pool, which fork does not copy."""
+    script = tmp_path / "fork_after_openmp.py"
+    script.write_text(FORK_AFTER_OPENMP)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # Lightning then leaves the inherited thread count alone
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        output = ""
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # its own session: the launcher and its forked workers
+            process.wait()
+    assert process.returncode == 0 and "fit done" in output, f"the forked workers hung or failed:\n{output[-3000:]}"
+
+
+def test_fork_with_several_threads_is_refused():
+    from gasloc_lightning import GASLoCStrategy
+
+    with pytest.raises(ValueError, match="OpenMP's thread pool does not survive a fork"):
+        GASLoCStrategy(start_method="fork", cpu_threads=2)

@@ -71,6 +71,7 @@ class LocalStepsStrategy(DDPStrategy):
         bucket_cap_mb: largest single message slice, in MiB.
         cpu_threads: torch threads per process on CPU: ``"auto"`` leaves it to Lightning's launchers (cores
             / local processes, unless ``OMP_NUM_THREADS`` is set), an int sets it, ``None`` leaves torch's.
+            Forked workers (``start_method="fork"``) always run one thread: OpenMP does not survive a fork.
         on_nonfinite: ``"skip_round"`` or ``"raise"`` (see :mod:`gasloc_lightning.strategies.guards`).
         max_skipped_rounds: consecutive skipped rounds after which the worker stops with an error.
         ranks_per_worker: k ranks (e.g. the GPUs of one node) form one worker: DDP inside the worker,
@@ -126,6 +127,11 @@ class LocalStepsStrategy(DDPStrategy):
             raise ValueError(f"consensus_every must be an int >= 0, got {consensus_every!r}")
         if not (cpu_threads in ("auto", None) or (isinstance(cpu_threads, int) and cpu_threads >= 1)):
             raise ValueError(f"cpu_threads must be 'auto', None or an int >= 1, got {cpu_threads!r}")
+        if start_method == "fork" and isinstance(cpu_threads, int) and cpu_threads > 1:
+            raise ValueError(
+                f"cpu_threads={cpu_threads} with start_method='fork': OpenMP's thread pool does not survive a fork, "
+                "so a forked worker runs with one torch thread. Use start_method='spawn' or 'popen' for more."
+            )
         if worker_ddp_kwargs is not None and not isinstance(worker_ddp_kwargs, Mapping):
             raise ValueError(f"worker_ddp_kwargs must be a mapping of DDP arguments, got {worker_ddp_kwargs!r}")
         if worker_ddp_kwargs and ranks_per_worker == 1:
@@ -280,7 +286,12 @@ class LocalStepsStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         exit_with_parent()
-        if self._cpu_threads == "auto":
+        if self._start_method == "fork" and self.root_device.type == "cpu" and self.num_processes > 1:
+            # The parent's OpenMP pool is gone in a forked child: a parallel region with more than one
+            # thread would wait for it forever. Lightning's own thread setting is skipped whenever
+            # OMP_NUM_THREADS is set, so it cannot be relied on here.
+            torch.set_num_threads(1)
+        elif self._cpu_threads == "auto":
             _set_num_threads_if_needed(self.num_processes)  # what Lightning's launchers do; no-op if done
         elif self._cpu_threads is not None and self.root_device.type == "cpu":
             torch.set_num_threads(self._cpu_threads)
