@@ -102,7 +102,10 @@ def test_no_collective_between_rounds_and_bytes_match_the_analytic_volume(tmp_pa
         callbacks=[CountCollectives(str(tmp_path)), RecordParameters(str(tmp_path))])
     # Per optimizer step (H = 3): Lightning's SIGTERM flag broadcast, moved to the first step of each round;
     # nothing in the middle; one batched point-to-point exchange at the last step. No all-reduce anywhere.
+    # The first step also carries the one all_gather of train start, counted from on_train_start: the check
+    # that every rank's loaders have the same lengths.
     expected_calls = [{"broadcast": 1}, {}, {"batch_isend_irecv": 1}] * 3
+    expected_calls[0] = {"all_gather": 1, "broadcast": 1}
     for rank in range(4):
         steps = torch.load(tmp_path / f"collectives{rank}.pt", weights_only=False)
         assert [{k: v for k, v in step.items() if k != "round"} for step in steps] == expected_calls

@@ -108,3 +108,24 @@ def test_multirun_of_two_jobs_leaves_exactly_two_run_folders(tmp_path_factory):
     # Nothing else was created: no child re-ran the app into outputs/ or multirun/.
     assert sorted(p.name for p in sweep_dir.parent.iterdir()) == ["sweep"]
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_file()) == ["multirun.yaml"]
+
+
+@pytest.mark.timeout(300)
+def test_ckpt_path_resumes_a_run_to_the_same_final_model(tmp_path, tmp_path_factory, fresh_port):
+    """ckpt_path=DIR continues from a per-rank checkpoint: the resumed run ends where the unbroken one does."""
+    cache = shared_cache_dir(tmp_path_factory)
+    quick = [o for o in QUICK if not o.startswith("trainer.max_steps=")]
+    checkpoint = ["trainer.enable_checkpointing=true",
+                  "+callbacks.checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                  f"+callbacks.checkpoint.dirpath={tmp_path / 'ckpt'}", "+callbacks.checkpoint.every_n_train_steps=2",
+                  "+callbacks.checkpoint.save_top_k=-1", "strategy.start_method=fork", "trainer.max_steps=6"]
+    whole = train(compose_config([*quick, *checkpoint], output_dir=tmp_path / "whole", cache_dir=cache))
+    step_4 = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    assert (step_4 / "meta.json").is_file()
+    fresh_port()
+    # Another model seed: a run that ignored ckpt_path would start afresh from other weights.
+    resumed = train(compose_config([*quick, "strategy.start_method=fork", "trainer.max_steps=6", "seed=1", "data.seed=0",
+                                    f"ckpt_path='{step_4}'"], output_dir=tmp_path / "resumed", cache_dir=cache))
+    assert resumed == whole
+    summary = _summary(tmp_path / "resumed")
+    assert summary["final"]["step"] == 6 and _validation_steps(tmp_path / "resumed", summary) == [6]

@@ -233,6 +233,7 @@ class TrainSchema:
     overlap: bool = False  # gasloc: overlapped gossip (shared so scenario presets can set it for a sweep)
     cache_dir: str = "~/.cache/gasloc-lightning"
     output_dir: str = MISSING
+    ckpt_path: Optional[str] = None  # resume: Trainer.fit(ckpt_path=...), a checkpoint directory or file
 
 
 _SCHEMAS: dict[tuple[str, str], type] = {

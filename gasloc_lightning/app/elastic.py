@@ -142,6 +142,7 @@ class WorkerRecord:
     applied: int = 0  # steps computed by earlier incarnations
     joined: list[int] = field(default_factory=list)
     left: list[int] = field(default_factory=list)
+    exit_steps: list[int] = field(default_factory=list)  # each incarnation's own step when it ended
     stalled_until: float | None = None
     spare: subprocess.Popen | None = None  # the next incarnation, started ahead and held until its restart
     killed: bool = False
@@ -307,6 +308,7 @@ class ElasticRun:
         record.applied += int(progress.get("applied") or 0)
         record.joined.append(progress.get("first_step"))
         record.left.append(step)
+        record.exit_steps.append(int(progress.get("step") or 0))
 
     def _resume_stalled(self) -> None:
         for record in self.workers:
@@ -375,7 +377,8 @@ class ElasticRun:
             rows.append({
                 "worker": record.worker, "exit_code": record.exit_code, "incarnations": record.incarnations,
                 "applied_steps": record.applied, "final_step": final.get("step"), "joined": record.joined,
-                "left": record.left, "val_loss": final.get("val_loss"), "finished": record.exit_code == 0,
+                "left": record.left, "exit_steps": record.exit_steps, "val_loss": final.get("val_loss"),
+                "finished": record.exit_code == 0,
             })
         return {"lighthouse": self.address, "chaos": [str(e) for e in self.events], "workers": rows,
                 "pids": self.started_pids}

@@ -193,7 +193,7 @@ def train(cfg: DictConfig) -> float | None:
             strategy["name"], strategy["topology"], strategy["outer_lr"], strategy["outer_momentum"],
             budget_of(trainer, datamodule).describe(),
         )
-        trainer.fit(model, datamodule=datamodule)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     val_loss = trainer.callback_metrics.get("val/loss")
     log.info("finished val_loss=%s summary=%s", None if val_loss is None else f"{float(val_loss):.4f}",
              os.path.join(cfg.output_dir, SUMMARY_FILE))
