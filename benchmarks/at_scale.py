@@ -12,11 +12,17 @@ Parts (``--part``):
   of n is a least-squares fit of log(rounds) on log(n).
 - ``quality``, ``churn``: ``gasloc-sim`` runs of the demo preset (tiny GPT, stdlib bytes) at equal
   tokens per worker; final consensus validation loss, and goodput under churn.
+- ``h1``: the paper's H = 1 claim at scale (``experiment=paper_h1``): gossip against GASLoC with inner
+  AdamW and inner SGD on one_peer, and post_mix on the ring, with the small-scale tuned values.
+- ``networks``: two_clusters and cloud_mix scaled to ``--workers`` (clusters in proportion, the
+  presets' links): the simulated time at which GASLoC reaches DiLoCo's final loss.
 
 Usage::
 
     python benchmarks/at_scale.py --part acceleration --out benchmarks/results/at_scale
     python benchmarks/at_scale.py --part quality --workers 16 --steps 100 --out benchmarks/results/at_scale
+    python benchmarks/at_scale.py --part h1 --workers 64 --steps 100 --out docs/at_scale
+    python benchmarks/at_scale.py --part networks --workers 64 --rounds 6 --inner-steps 10 --out docs/at_scale
 
 Results go to ``<out>/<part>.json`` and a plot ``<out>/<part>.png``.
 """
@@ -136,14 +142,105 @@ def plot_acceleration(result: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _sim(overrides: list[str], out: Path) -> dict:
-    command = [str(Path(sys.executable).parent / "gasloc-sim"), "experiment=demo", "data.val_batches=2",
+def _sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
+    command = [str(Path(sys.executable).parent / "gasloc-sim"), f"experiment={experiment}", "data.val_batches=2",
                "sim.progress_every=0", *overrides, f"output_dir={out}"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     record = json.loads((out / "summary.json").read_text())
     return {"overrides": overrides, "val_loss": record["final"]["val_loss"], "goodput": record["sim"]["goodput"],
             "wall_time_s": record["wall_time_s"], "bytes_sent": record["bytes_sent"],
-            "outer_momentum": record["strategy"]["outer_momentum"]}
+            "outer_momentum": record["strategy"]["outer_momentum"], "trace": _validation_trace(out, record)}
+
+
+def _validation_trace(out: Path, record: dict) -> list[tuple[int, float, float | None]]:
+    """(step, val/loss, sim_time or None) of every validation of a finished sim run."""
+    import csv
+
+    points = []
+    with open(out / record["metrics_csv"], newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row.get("val/loss"):
+                sim_time = float(row["val/sim_time"]) if row.get("val/sim_time") else None
+                points.append((int(row["step"]) + 1, float(row["val/loss"]), sim_time))
+    return points
+
+
+# The paper's H = 1 claim (docs/results/tuned.json: the small-scale tuning on seed 0, one_peer).
+_GOSSIP_ADAMW = ["model.optimizer.lr=0.006", "model.optimizer.betas=[0.8,0.95]"]
+_H1_METHODS = {
+    "gossip_adamw": ["strategy=gossip", "topology=one_peer", *_GOSSIP_ADAMW],
+    "gasloc_adamw": ["strategy=gasloc", "topology=one_peer", "inner_steps=1", "strategy.outer_lr=1.0",
+                     "strategy.outer_momentum=0.3"],
+    "gossip_sgd": ["strategy=gossip", "topology=one_peer", "model/optimizer=sgd", "model.optimizer.lr=1.0"],
+    "gasloc_sgd": ["strategy=gasloc", "topology=one_peer", "inner_steps=1", "model/optimizer=sgd",
+                   "model.optimizer.lr=0.3", "strategy.outer_lr=1.0", "strategy.outer_momentum=0.9"],
+    "gossip_adamw_ring": ["strategy=gossip", "topology=ring", *_GOSSIP_ADAMW],
+    "gasloc_post_mix_ring": ["strategy=gasloc", "topology=ring", "inner_steps=1", "strategy.outer_lr=1.0",
+                             "strategy.outer_momentum=0.3", "strategy.outer_form=post_mix"],
+}
+
+
+def h1(workers: int, steps: int) -> dict:
+    """Claim (1) at scale: H = 1, gossip against GASLoC with inner AdamW and SGD, and post_mix on the ring."""
+    base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in _H1_METHODS.items():
+            runs[name] = _sim(base + extra, Path(tmp) / name, experiment="paper_h1")
+            print(name, {k: v for k, v in runs[name].items() if k != "trace"}, flush=True)
+    return {"workers": workers, "steps": steps, "runs": runs}
+
+
+def _scaled_network(name: str, workers: int) -> list[str]:
+    """two_clusters or cloud_mix with ``workers`` workers: the presets' links, clusters scaled in proportion."""
+    if name == "two_clusters":
+        return ["network=two_clusters", f"network.sizes=[{workers // 2},{workers - workers // 2}]"]
+    a, b = workers // 2, workers // 4
+    speeds = [1.0] * a + [0.7] * b + [0.5] * (workers - a - b)
+    return ["network=cloud_mix", f"network.sizes=[{a},{b},{workers - a - b}]",
+            f"network.speeds=[{','.join(map(str, speeds))}]"]
+
+
+def _time_to_reach(trace: list, target: float) -> float | None:
+    """Simulated time of the first validation at or below ``target`` (None: never)."""
+    for _, loss, sim_time in trace:
+        if loss <= target:
+            return sim_time
+    return None
+
+
+def networks(workers: int, rounds: int, inner_steps: int) -> dict:
+    """Simulated time to reach DiLoCo's final loss on scaled two_clusters and cloud_mix networks.
+
+    DiLoCo runs ``rounds`` rounds; GASLoC gets 1.5x its steps, validating every round.
+    """
+    result: dict = {"workers": workers, "rounds": rounds, "inner_steps": inner_steps, "networks": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for network in ("two_clusters", "cloud_mix"):
+            base = [f"sim.workers={workers}", f"inner_steps={inner_steps}", f"trainer.val_check_interval={inner_steps}",
+                    *_scaled_network(network, workers)]
+            diloco_steps = rounds * inner_steps
+            gasloc_steps = (3 * rounds // 2) * inner_steps
+            methods = {
+                "diloco": ["strategy=diloco", f"trainer.max_steps={diloco_steps}"],
+                "gasloc_one_peer": ["strategy=gasloc", "topology=one_peer", f"trainer.max_steps={gasloc_steps}"],
+                "gasloc_bw_spread_overlap_bf16": [
+                    "strategy=gasloc", "topology=bandwidth_aware", "topology.schedule=spread", "overlap=true",
+                    "strategy.message_dtype=bfloat16", "strategy.outer_momentum=0.7",
+                    f"trainer.max_steps={gasloc_steps}"],
+            }
+            runs = {}
+            for name, extra in methods.items():
+                runs[name] = _sim(base + extra, Path(tmp) / f"{network}_{name}")
+                print(network, name, runs[name]["val_loss"], runs[name]["trace"][-1], flush=True)
+            target = runs["diloco"]["val_loss"]
+            reference = _time_to_reach(runs["diloco"]["trace"], target)
+            for run in runs.values():
+                reached = _time_to_reach(run["trace"], target)
+                run["time_to_diloco_loss"] = reached
+                run["ratio_to_diloco"] = None if reached is None or not reference else reached / reference
+            result["networks"][network] = runs
+    return result
 
 
 def quality(workers: int, steps: int) -> dict:
@@ -155,7 +252,7 @@ def quality(workers: int, steps: int) -> dict:
                             ("ring", ["strategy=gasloc", "topology=ring"]),
                             ("exponential", ["strategy=gasloc", "topology=exponential"])):
             runs[name] = _sim(base + extra, Path(tmp) / name)
-            print(name, runs[name], flush=True)
+            print(name, {k: v for k, v in runs[name].items() if k != "trace"}, flush=True)
     return {"workers": workers, "steps": steps, "runs": runs}
 
 
@@ -166,16 +263,18 @@ def churn(workers: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for fraction in (0.0, 0.05, 0.1, 0.2):
             runs[str(fraction)] = _sim(base + [f"sim.down_fraction={fraction}"], Path(tmp) / str(fraction))
-            print(fraction, runs[str(fraction)], flush=True)
+            print(fraction, {k: v for k, v in runs[str(fraction)].items() if k != "trace"}, flush=True)
     return {"workers": workers, "steps": steps, "runs": runs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("acceleration", "quality", "churn"), required=True)
+    parser.add_argument("--part", choices=("acceleration", "quality", "churn", "h1", "networks"), required=True)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--max-n", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=6, help="networks: DiLoCo's rounds (GASLoC gets 1.5x)")
+    parser.add_argument("--inner-steps", type=int, default=10, help="networks: H")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/at_scale"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -184,6 +283,10 @@ def main() -> None:
         plot_acceleration(result, args.out / "acceleration.png")
     elif args.part == "quality":
         result = quality(args.workers, args.steps)
+    elif args.part == "h1":
+        result = h1(args.workers, args.steps)
+    elif args.part == "networks":
+        result = networks(args.workers, args.rounds, args.inner_steps)
     else:
         result = churn(args.workers, args.steps)
     name = args.part if args.part == "acceleration" else f"{args.part}_n{args.workers}"

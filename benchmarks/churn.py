@@ -2,7 +2,7 @@
 its last checkpoint, under the same failure schedules.
 
 Setup (defaults): 8 CPU workers, the tiny GPT on the embedded stdlib corpus (``experiment=demo``),
-H = 50, 300 steps (6 rounds), validation every round. Schedules, in optimizer steps:
+H = 50, 450 steps (9 rounds), validation every round. Schedules, in optimizer steps:
 
 - ``none``: no failure;
 - ``kill30``: the last worker is killed at 30% of the run, for good;
@@ -134,7 +134,8 @@ def run_elastic_method(method: str, events: list[tuple[str, int, int]], args, ou
     summary = run_elastic(compose_app("elastic/app", overrides))
     wall = time.monotonic() - started
     rows = summary["workers"]
-    finished = [row for row in rows if row["finished"]]
+    # Finished: reached the end with a final validation (a restart that arrives as the run ends exits with none).
+    finished = [row for row in rows if row["finished"] and row["val_loss"] is not None]
     computed = sum(row["applied_steps"] for row in rows)
     lost = 0
     for row in rows:  # each incarnation that did not finish lost the steps of its unfinished round
@@ -242,22 +243,29 @@ def report(results: dict[str, dict[str, dict[str, Any]]], events_of: dict[str, l
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=450)
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--min-workers", type=int, default=6, help="smallest quorum (the start-up race stays above it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=Path("outputs/churn"))
-    parser.add_argument("--cache-dir", default="~/.cache/gasloc-lightning")
+    parser.add_argument("--fresh", action="store_true", help="ignore the results already in --out")
+    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/gasloc-lightning").expanduser())
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the static baseline forks its workers from this process
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    record = args.out / "results.json"
+    if record.is_file() and not args.fresh:  # go on where an interrupted run stopped
+        results = json.loads(record.read_text())["results"]
     events_of = {name: schedule(name, args.workers, args.steps, args.inner_steps) for name in args.schedules}
     for name in args.schedules:
         events = events_of[name]
         print(f"schedule {name}: {[f'{a}:{w}@{s}' for a, w, s in events]}", flush=True)
         for method in args.methods:
+            if method in results.get(name, {}):
+                print(f"  {method}: kept from {record}", flush=True)
+                continue
             output_dir = (args.out / f"{name}_{method}").resolve()
             runner = run_static if method == "static" else lambda e, a, o: run_elastic_method(method, e, a, o)
             result = runner(events, args, output_dir)
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {method}: val loss {result['final_val_loss']:.4f}, wall {result['wall_s']:.0f} s, "
                   f"goodput {result['kept'] / result['computed']:.3f}", flush=True)
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "results.json").write_text(json.dumps(
+            record.write_text(json.dumps(
                 {"settings": {k: str(v) for k, v in vars(args).items()}, "events": events_of, "results": results},
                 indent=1))
     table = report(results, events_of)

@@ -8,6 +8,7 @@ process the launcher started is left behind.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -95,4 +96,50 @@ def test_stalled_worker_is_dropped_and_the_others_go_on(tmp_path, cache_dir):
     assert max(record["membership_changes"] for record in survivors) >= 1, "the stalled worker was never dropped"
     if rows[1]["exit_code"] == 0:  # it came back: it took a peer's state and ended on the same consensus
         assert _progress(tmp_path, 1)["model_checksum"] == survivors[0]["model_checksum"]
+    _assert_nothing_left(summary)
+
+
+@pytest.mark.timeout(300)
+def test_one_of_four_killed_for_good_survivors_finish_close_to_the_no_failure_run(tmp_path, cache_dir):
+    four = ["elastic.workers=4", "elastic.min_workers=3"]
+    clean = _run(four, tmp_path / "clean", cache_dir)
+    broken = _run([*four, "elastic.chaos=[kill:3@60]"], tmp_path / "broken", cache_dir)
+    rows = {row["worker"]: row for row in broken["workers"]}
+    assert rows[3]["finished"] is False and rows[3]["exit_steps"][0] < MAX_STEPS
+    survivors = [rows[worker] for worker in range(3)]
+    assert all(row["exit_code"] == 0 and row["final_step"] == MAX_STEPS for row in survivors), rows
+    checksums = {_progress(tmp_path / "broken", worker)["model_checksum"] for worker in range(3)}
+    assert len(checksums) == 1, "the survivors did not end on the same consensus"
+    clean_loss = clean["workers"][0]["val_loss"]
+    assert abs(survivors[0]["val_loss"] / clean_loss - 1) < 0.03, (survivors[0]["val_loss"], clean_loss)
+    _assert_nothing_left(clean)
+    _assert_nothing_left(broken)
+
+
+@pytest.mark.timeout(420)
+def test_a_seeded_chaos_run_of_ten_events_never_hangs_and_ends_on_one_finite_model(tmp_path, cache_dir):
+    summary = _run(["elastic.workers=4", "elastic.random_chaos=10", "elastic.chaos_seed=3", "data.batch_size=16",
+                    "elastic.timeout_s=380"], tmp_path, cache_dir)
+    assert len(summary["chaos"]) == 10 and sum(event.startswith("kill") for event in summary["chaos"]) == 5
+    rows = summary["workers"]  # run_elastic raised had any worker failed instead of being killed or stopped
+    finished = [row for row in rows if row["finished"]]
+    # A restart can arrive after the end (stopped by the launcher); at least a quorum's worth finishes.
+    assert len(finished) >= 2 and all(row["final_step"] == MAX_STEPS for row in finished), rows
+    assert sum(row["incarnations"] for row in rows) >= 4 + 1, "no killed worker was ever restarted"
+    losses = {row["val_loss"] for row in finished}
+    assert len(losses) == 1 and all(math.isfinite(loss) for loss in losses), rows
+    progress = [_progress(tmp_path, row["worker"]) for row in finished]
+    assert len({record["model_checksum"] for record in progress}) == 1
+    _assert_nothing_left(summary)
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_still_running_after_the_end_is_stopped_not_failed(tmp_path, cache_dir):
+    """Stalled near the end: the others finish without it, and it is stopped end_grace_s later, instead of
+    waiting out its quorum_timeout and failing the run."""
+    summary = _run(["elastic.chaos=[stall:1@130:120]", "elastic.end_grace_s=3"], tmp_path, cache_dir)
+    rows = {row["worker"]: row for row in summary["workers"]}
+    assert rows[1]["val_loss"] is None and rows[1]["exit_code"] != 0, rows[1]
+    for worker in (0, 2):
+        assert rows[worker]["exit_code"] == 0 and rows[worker]["final_step"] == MAX_STEPS, rows
     _assert_nothing_left(summary)

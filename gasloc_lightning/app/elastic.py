@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -61,6 +62,8 @@ class ElasticSchema:
     min_workers: int = 2
     max_workers: int | None = None
     chaos: list[str] = field(default_factory=list)
+    random_chaos: int = 0
+    chaos_seed: int = 0
     join_timeout_ms: int = 10000
     heartbeat_timeout_ms: int = 2000
     connect_timeout: float = 10.0
@@ -68,6 +71,7 @@ class ElasticSchema:
     gossip_timeout: float = 10.0
     transfer_timeout: float = 60.0
     cpu_threads: int = 1
+    end_grace_s: float = 30.0
     timeout_s: float = 1800.0
 
 
@@ -111,6 +115,38 @@ def parse_chaos(entries: list[str], workers: int) -> list[ChaosEvent]:
             raise ValueError(f"elastic.chaos entry {entry!r}: only stall takes :SECONDS, and it needs it")
         events.append(ChaosEvent(action, worker, step, float(seconds or 0.0)))
     return sorted(events, key=lambda event: event.step)
+
+
+def random_chaos(events: int, workers: int, max_steps: int, min_workers: int, seed: int) -> list[ChaosEvent]:
+    """A seeded schedule of ``events`` kills and restarts (``events`` even: every killed worker comes back).
+
+    Events fall between 10% and 80% of ``max_steps``; at most ``workers - min_workers`` workers are down
+    at once, and the same seed always gives the same schedule.
+    """
+    if events < 0 or events % 2:
+        raise ValueError(f"elastic.random_chaos must be an even number >= 0 (kills and their restarts), got {events}")
+    if events and workers - min_workers < 1:
+        raise ValueError(f"elastic.random_chaos needs elastic.workers > elastic.min_workers, got {workers} and {min_workers}")
+    rng = random.Random(seed)
+    low, high = max(1, max_steps // 10), (8 * max_steps) // 10
+    gap = (high - low) // max(events, 1)  # one event per slot of the window, so no two fall on one step
+    if events and gap < 2:
+        raise ValueError(f"elastic.random_chaos={events} does not fit between steps {low} and {high}")
+    steps = [low + index * gap + rng.randrange(gap // 2 + 1) for index in range(events)]
+    down: list[int] = []
+    schedule = []
+    kills_left = events // 2
+    for index, step in enumerate(steps):
+        left = len(steps) - index
+        can_kill = kills_left > 0 and len(down) < workers - min_workers and left > len(down) + 1
+        if down and (not can_kill or rng.random() < 0.5):
+            schedule.append(ChaosEvent("restart", down.pop(rng.randrange(len(down))), step))
+        else:
+            worker = rng.choice([w for w in range(workers) if w not in down])
+            down.append(worker)
+            kills_left -= 1
+            schedule.append(ChaosEvent("kill", worker, step))
+    return schedule
 
 
 # ------------------------------------------------------------------ processes
@@ -167,12 +203,13 @@ class ElasticRun:
         self.cfg = cfg
         self.elastic = cfg.elastic
         self.run_dir = Path(cfg.output_dir)
-        self.events = parse_chaos(list(self.elastic.chaos), self.elastic.workers)
+        self.events = chaos_schedule(cfg)
         self.lighthouse: subprocess.Popen | None = None
         self.address = self.elastic.lighthouse
         self.workers: list[WorkerRecord] = []
         self._last_quorum: int | None = None
         self.started_pids: list[int] = []  # every process this launcher started, for the record and for tests
+        self._first_finish: float | None = None  # when the first worker finished the run
         self._started = time.monotonic()
 
     # ---------------------------------------------------------------- start
@@ -340,12 +377,21 @@ class ElasticRun:
                     print(f"worker {record.worker} failed (exit {record.exit_code}): {progress.get('error')}", flush=True)
 
     def _stop_latecomers(self) -> None:
-        """Once a worker has finished the run is over: one still waiting to join would wait for its quorum_timeout."""
+        """Once a worker has finished the run is over: one still waiting to join would wait for its quorum_timeout,
+        and so would one left out of the last quorums (its exchange failed as a peer died): after
+        ``elastic.end_grace_s`` it is stopped too, as having outlived the run, not as failed."""
         if not any(record.exit_code == 0 for record in self.workers):
             return
+        if self._first_finish is None:
+            self._first_finish = time.monotonic()
+        overdue = time.monotonic() - self._first_finish > self.elastic.end_grace_s
         for record in self.workers:
-            if record.running and record.progress().get("state") in (None, "starting"):
-                print(f"worker {record.worker} arrived after the run ended: stopped", flush=True)
+            if not record.running:
+                continue
+            late = record.progress().get("state") in (None, "starting")
+            if late or overdue:
+                why = "arrived after the run ended" if late else f"still running {self.elastic.end_grace_s:g}s after the end"
+                print(f"worker {record.worker} {why}: stopped", flush=True)
                 record.killed = True
                 record.process.kill()
                 record.process.wait()
@@ -437,6 +483,14 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
     return run
 
 
+def chaos_schedule(cfg: DictConfig) -> list[ChaosEvent]:
+    """``elastic.chaos`` and the ``elastic.random_chaos`` seeded events, in firing order."""
+    elastic = cfg.elastic
+    drawn = random_chaos(elastic.random_chaos, elastic.workers, cfg.trainer.max_steps, elastic.min_workers,
+                         elastic.chaos_seed)
+    return sorted([*parse_chaos(list(elastic.chaos), elastic.workers), *drawn], key=lambda event: event.step)
+
+
 def check_elastic(cfg: DictConfig) -> None:
     """Refuse elastic settings that cannot work, naming the key."""
     elastic = cfg.elastic
@@ -448,7 +502,7 @@ def check_elastic(cfg: DictConfig) -> None:
         raise ValueError(f"elastic.min_workers must lie in [1, elastic.workers={elastic.workers}], got {elastic.min_workers}")
     if cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] not in ("GASLoCStrategy", "DiLoCoStrategy"):
         raise ValueError("gasloc-elastic builds its strategy from strategy=gasloc or strategy=diloco settings")
-    parse_chaos(list(elastic.chaos), elastic.workers)
+    chaos_schedule(cfg)
 
 
 # ------------------------------------------------------------------ entry point

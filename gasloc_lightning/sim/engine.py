@@ -206,6 +206,9 @@ class Simulator:
         row = {"val/loss": loss, "val/ppl": math.exp(loss), "progress/tokens": float(tokens_seen),
                "progress/bytes_sent": self.bytes_sent_mean,
                "progress/wall_time_s": time.perf_counter() - self._start}
+        if self.clocks.enabled:  # the consensus needs every live worker's round: the latest clock
+            times = self.clocks.times()
+            row["val/sim_time"] = max(times[i] for i in self._live)
         self._metrics(self.step - 1, row)
         log.info("validation step=%d val_loss=%.4f", self.step, loss)
         return row
