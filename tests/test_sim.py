@@ -196,3 +196,24 @@ def test_validation_rows_carry_the_latest_live_clock(corpus, tmp_path):
     assert [int(r["step"]) + 1 for r in rows] == [2, 4]
     for row in rows:  # sim_time of a training row is worker 0's clock
         assert float(row["val/sim_time"]) == pytest.approx(2 * float(row["sim_time"]))
+
+
+def test_chunked_steps_match_one_pass_over_every_replica():
+    """Chunks of 3 over 7 replicas (a ragged last chunk) give each replica the gradients and step of one pass."""
+    from functools import partial
+
+    from gasloc_lightning.models.gpt import GPT, GPTConfig
+    from gasloc_lightning.sim.replicas import StackedReplicas
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    stacks = [StackedReplicas(module=model, workers=7, optimizer_factory=partial(torch.optim.AdamW, lr=1e-2),
+                              gradient_clip_val=0.5, chunk_size=size) for size in (7, 3)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 256, (7, 2, 16), generator=generator)
+        y = torch.randint(0, 256, (7, 2, 16), generator=generator)
+        losses = [stack.step(x, y) for stack in stacks]
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stacks[0].flat, stacks[1].flat, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(stacks[1].flat[0], stacks[1].flat[6])  # each replica took its own steps
