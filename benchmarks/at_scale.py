@@ -14,6 +14,7 @@ Parts (``--part``):
   tokens per worker; final consensus validation loss, and goodput under churn.
 - ``h1``: the paper's H = 1 claim at scale (``experiment=paper_h1``): gossip against GASLoC with inner
   AdamW and inner SGD on one_peer, and post_mix on the ring, with the small-scale tuned values.
+- ``plots``: one figure of questions 2 to 5 from the JSON files the other parts wrote to ``--out``.
 - ``networks``: two_clusters and cloud_mix scaled to ``--workers`` (clusters in proportion, the
   presets' links): the simulated time at which GASLoC reaches DiLoCo's final loss.
 
@@ -267,9 +268,54 @@ def churn(workers: int, steps: int) -> dict:
     return {"workers": workers, "steps": steps, "runs": runs}
 
 
+def plot_summary(folder: Path, path: Path) -> None:
+    """Quality vs n, H = 1 at n = 64, networks at n = 64 and churn, from the parts' JSON files in ``folder``."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(14, 3.8))
+    axes = figure.subplots(1, 4)
+    sizes = [n for n in (16, 64, 256) if (folder / f"quality_n{n}.json").is_file()]
+    quality = {n: json.loads((folder / f"quality_n{n}.json").read_text())["runs"] for n in sizes}
+    for name in ("one_peer", "two_peer", "ring", "exponential"):
+        ratios = [quality[n][name]["val_loss"] / quality[n]["diloco"]["val_loss"] for n in sizes]
+        axes[0].plot(sizes, ratios, "o-", label=name)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set(xscale="log", xlabel="workers n", ylabel="val loss / DiLoCo's", title="2. quality vs n (50 steps)")
+    axes[0].set_xticks(sizes, [str(n) for n in sizes])
+    axes[0].minorticks_off()
+    axes[0].legend(fontsize=7)
+    if (folder / "h1_n64.json").is_file():
+        runs = json.loads((folder / "h1_n64.json").read_text())["runs"]
+        names = list(runs)
+        axes[1].bar(range(len(names)), [runs[k]["val_loss"] for k in names],
+                    color=["C0" if k.startswith("gossip") else "C1" for k in names])
+        axes[1].set_xticks(range(len(names)), [k.replace("_", "\n") for k in names], fontsize=6)
+        axes[1].set(ylim=(2.1, 2.55), ylabel="val loss", title="3. H = 1 at n = 64 (gossip / gasloc)")
+    if (folder / "networks_n64.json").is_file():
+        networks = json.loads((folder / "networks_n64.json").read_text())["networks"]
+        for index, (network, runs) in enumerate(networks.items()):
+            for name, run in runs.items():
+                times = [t for _, _, t in run["trace"]]
+                losses = [loss for _, loss, _ in run["trace"]]
+                axes[2].plot(times, losses, ["-", "--"][index], label=f"{network} {name}", lw=1)
+        axes[2].set(xscale="log", xlabel="simulated s", ylabel="val loss", title="4. networks at n = 64", ylim=(2.5, 3.3))
+        axes[2].legend(fontsize=5)
+    for n in (16, 64):
+        if (folder / f"churn_n{n}.json").is_file():
+            runs = json.loads((folder / f"churn_n{n}.json").read_text())["runs"]
+            shares = sorted(runs, key=float)
+            base = runs[shares[0]]["val_loss"]
+            axes[3].plot([100 * float(k) for k in shares], [runs[k]["val_loss"] / base for k in shares], "o-", label=f"n = {n}")
+    axes[3].axhline(1.0, color="grey", lw=0.8)
+    axes[3].set(xlabel="% of workers down", ylabel="val loss / no churn", title="5. churn (one_peer)")
+    axes[3].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("acceleration", "quality", "churn", "h1", "networks"), required=True)
+    parser.add_argument("--part", choices=("acceleration", "quality", "churn", "h1", "networks", "plots"), required=True)
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--max-n", type=int, default=1024)
@@ -278,6 +324,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/at_scale"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.part == "plots":  # from the other parts' results in --out
+        plot_summary(args.out, args.out / "at_scale.png")
+        return
     if args.part == "acceleration":
         result = acceleration(tuple(n for n in SIZES if n <= args.max_n))
         plot_acceleration(result, args.out / "acceleration.png")

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("torchft")
 
-from gasloc_lightning.app.elastic import free_port, lighthouse_command, parse_chaos  # noqa: E402
+from gasloc_lightning.app.elastic import free_port, lighthouse_command, parse_chaos, random_chaos  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
 
@@ -138,3 +138,25 @@ def test_chaos_schedule_is_parsed_and_checked():
     for bad in ("kill:3@4", "kill:1", "stall:1@4", "kill:1@4:2", "explode:1@2"):
         with pytest.raises(ValueError, match="elastic.chaos"):
             parse_chaos([bad], workers=3)
+
+
+def test_random_chaos_is_seeded_restarts_every_kill_and_keeps_min_workers():
+    events = random_chaos(10, 4, 300, 3, seed=0)
+    assert [str(e) for e in events] == [str(e) for e in random_chaos(10, 4, 300, 3, seed=0)]
+    assert [str(e) for e in events] != [str(e) for e in random_chaos(10, 4, 300, 3, seed=1)]
+    down: set[int] = set()
+    for event in events:
+        assert 30 <= event.step < 240
+        if event.action == "kill":
+            assert event.worker not in down
+            down.add(event.worker)
+        else:
+            down.remove(event.worker)
+        assert len(down) <= 4 - 3
+    assert not down and sum(e.action == "kill" for e in events) == 5
+    assert len({e.step for e in events}) == 10
+    for bad, message in ((dict(events=3), "even"), (dict(events=4, min_workers=4), "min_workers"),
+                         (dict(events=200), "does not fit")):
+        arguments = {"events": 10, "workers": 4, "max_steps": 300, "min_workers": 2, "seed": 0, **bad}
+        with pytest.raises(ValueError, match=message):
+            random_chaos(**arguments)
