@@ -39,7 +39,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Callback
 
 from gasloc_lightning.app.config import config_dir
-from gasloc_lightning.app.elastic import run_elastic
+from gasloc_lightning.app.elastic import free_port, run_elastic
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import train
 
@@ -164,12 +163,6 @@ class KillRankAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _latest_checkpoint(folder: Path) -> tuple[Path | None, int]:
     done = [(int(path.name.split("step=")[1].split(".")[0]), path) for path in folder.glob("*step=*.ckpt")
             if (path / "meta.json").is_file()]
@@ -200,7 +193,7 @@ def run_static(events: list[tuple[str, int, int]], args, output_dir: Path) -> di
             worker, step = pending[0]
             overrides += ["+callbacks.kill._target_=__main__.KillRankAt", f"+callbacks.kill.rank={worker}",
                           f"+callbacks.kill.step={step}"]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         started = time.monotonic()
         try:
             val_loss = train(compose_app("train", overrides))
@@ -267,8 +260,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {method}: kept from {record}", flush=True)
                 continue
             output_dir = (args.out / f"{name}_{method}").resolve()
-            runner = run_static if method == "static" else lambda e, a, o: run_elastic_method(method, e, a, o)
-            result = runner(events, args, output_dir)
+            if method == "static":
+                result = run_static(events, args, output_dir)
+            else:
+                result = run_elastic_method(method, events, args, output_dir)
             results.setdefault(name, {})[method] = result
             print(f"  {method}: val loss {result['final_val_loss']:.4f}, wall {result['wall_s']:.0f} s, "
                   f"goodput {result['kept'] / result['computed']:.3f}", flush=True)
