@@ -134,7 +134,7 @@ def run_elastic_method(method: str, events: list[tuple[str, int, int]], args, ou
     wall = time.monotonic() - started
     rows = summary["workers"]
     # Finished: reached the end with a final validation (a restart that arrives as the run ends exits with none).
-    finished = [row for row in rows if row["finished"] and row["val_loss"] is not None]
+    finished = [row for row in rows if row["finished"]]
     computed = sum(row["applied_steps"] for row in rows)
     lost = 0
     for row in rows:  # each incarnation that did not finish lost the steps of its unfinished round

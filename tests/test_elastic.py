@@ -10,10 +10,12 @@ import time
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 pytest.importorskip("torchft")
 
 from gasloc_lightning.app.elastic import free_port, lighthouse_command, parse_chaos, random_chaos  # noqa: E402
+from gasloc_lightning.app.elastic_worker import load_worker_config  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
 
@@ -107,6 +109,7 @@ def test_lighthouse_address_is_checked():
         ({"message_dtype": "bfloat16"}, "message_dtype"),
         ({"worker_id": -1}, "worker_id"),
         ({"lighthouse": "nowhere"}, "HOST:PORT"),
+        ({"first_quorum_delay": -1.0}, "first_quorum_delay"),
     ],
 )
 def test_strategy_arguments_are_validated(arguments, message):
@@ -160,3 +163,15 @@ def test_random_chaos_is_seeded_restarts_every_kill_and_keeps_min_workers():
         arguments = {"events": 10, "workers": 4, "max_steps": 300, "min_workers": 2, "seed": 0, **bad}
         with pytest.raises(ValueError, match=message):
             random_chaos(**arguments)
+
+
+def test_worker_config_takes_dotlist_overrides_of_existing_keys(tmp_path):
+    path = tmp_path / "worker_config.yaml"
+    OmegaConf.save(OmegaConf.create({"strategy": {"worker_id": 0, "lighthouse": "a:1"}, "data": {"rank": 0}}), path)
+    cfg = load_worker_config(path, ["strategy.worker_id=3", "data.rank=3", "strategy.lighthouse=node0:29510"])
+    assert (cfg.strategy.worker_id, cfg.data.rank, cfg.strategy.lighthouse) == (3, 3, "node0:29510")
+    assert load_worker_config(path).strategy.worker_id == 0
+    with pytest.raises(ValueError, match="not a key"):
+        load_worker_config(path, ["strategy.worker_idd=3"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        load_worker_config(path, ["strategy.worker_id"])

@@ -7,7 +7,9 @@ process the launcher started is left behind.
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 from pathlib import Path
 
@@ -124,4 +126,34 @@ def test_a_worker_still_running_after_the_end_is_stopped_not_failed(tmp_path, ca
     assert rows[1]["val_loss"] is None and rows[1]["exit_code"] != 0, rows[1]
     for worker in (0, 2):
         assert rows[worker]["exit_code"] == 0 and rows[worker]["final_step"] == MAX_STEPS, rows
+    _assert_nothing_left(summary)
+
+
+@pytest.mark.timeout(300)
+def test_seeded_chaos_of_ten_kills_and_restarts_never_hangs_and_every_worker_finishes(tmp_path, cache_dir):
+    """elastic.random_chaos=10: five kills, each restarted; with 4 workers and min_workers=3 a kill can fall
+    while the last restarted worker is still joining (the others then wait for it). A worker is restarted
+    twice, so its second spare must be released too. Every worker ends at max_steps on one consensus."""
+    steps = 300
+    base = [o for o in FAST if not o.startswith(("trainer.max_steps=", "trainer.val_check_interval="))]
+    overrides = [*base, f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "elastic.workers=4",
+                 "elastic.min_workers=3", "elastic.random_chaos=10", "elastic.chaos_seed=0", f"output_dir={tmp_path}",
+                 f"cache_dir={cache_dir}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        summary = run_elastic(compose(config_name="elastic/app", overrides=overrides))
+    assert len(summary["chaos"]) == 10 and sum(event.startswith("kill") for event in summary["chaos"]) == 5
+    rows = {row["worker"]: row for row in summary["workers"]}
+    assert sum(row["incarnations"] for row in rows.values()) == 4 + 5, rows
+    assert max(row["incarnations"] for row in rows.values()) >= 3, "seed 0 should restart one worker twice"
+    for row in rows.values():
+        assert row["exit_code"] == 0 and row["final_step"] == steps, rows
+        assert math.isfinite(row["val_loss"]), row
+        # every restart joined at the quorum's step (it took a peer's state), not from step 0
+        assert all(step is None or step > 0 for step in row["joined"][1:]), row
+    progress = [_progress(tmp_path, worker) for worker in range(4)]
+    assert len({record["model_checksum"] for record in progress}) == 1, progress
+    for worker in range(4):
+        losses = [float(r["train/loss"]) for r in csv.DictReader(open(tmp_path / f"worker_{worker}" / "csv" / "metrics.csv"))
+                  if r.get("train/loss")]
+        assert losses and all(math.isfinite(loss) for loss in losses), f"worker {worker} logged a non-finite loss"
     _assert_nothing_left(summary)

@@ -39,7 +39,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
-from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, read_progress
+from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, read_progress, ready_file
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.comm.membership import lighthouse_reachable
@@ -70,6 +70,7 @@ class ElasticSchema:
     quorum_timeout: float = 120.0
     gossip_timeout: float = 10.0
     transfer_timeout: float = 60.0
+    first_quorum_delay: float = 1.0
     cpu_threads: int = 1
     end_grace_s: float = 30.0
     timeout_s: float = 1800.0
@@ -181,6 +182,8 @@ class WorkerRecord:
     exit_steps: list[int] = field(default_factory=list)  # each incarnation's own step when it ended
     stalled_until: float | None = None
     spare: subprocess.Popen | None = None  # the next incarnation, started ahead and held until its restart
+    spare_release: Path | None = None  # the file whose creation releases the spare
+    spawned: int = 0  # processes started for this slot (spares included)
     killed: bool = False
     exit_code: int | None = None
 
@@ -220,9 +223,25 @@ class ElasticRun:
         for worker in range(self.elastic.workers):
             record = self._write_worker_config(worker)
             self.workers.append(record)
-            self._spawn(record)
+            self._spawn(record, held=True, founder=True)
+        self._release_together()
         for record in self.workers:
             self._prepare_spare(record, self.events)
+
+    def _release_together(self) -> None:
+        """Start barrier: every first worker builds its trainer, then all are released at once, so the first
+        quorum holds all of them (otherwise the first ones ready form it with ``min_workers`` and the rest
+        join a round late). A worker that exits while building is released too (and reaped as failed)."""
+        deadline = time.monotonic() + self.elastic.timeout_s
+        waiting = list(self.workers)
+        while waiting:
+            waiting = [r for r in waiting if r.spare.poll() is None and not Path(ready_file(r.spare_release)).exists()]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gasloc-elastic: workers {[r.worker for r in waiting]} were not ready within "
+                                   f"elastic.timeout_s={self.elastic.timeout_s:g}s")
+            time.sleep(0.05)
+        for record in self.workers:
+            self._release_spare(record)
 
     def _prepare_spare(self, record: WorkerRecord, pending: list[ChaosEvent]) -> None:
         """A worker due to be restarted gets its next process now, held after its imports and set-up, so the
@@ -254,9 +273,13 @@ class ElasticRun:
         OmegaConf.save(cfg, path)
         return WorkerRecord(worker=worker, output_dir=output_dir, config_path=path)
 
-    def _spawn(self, record: WorkerRecord, held: bool = False) -> None:
-        """Start the worker's next incarnation (``held``: it builds everything, then waits for its release)."""
-        hold_file = record.output_dir / "release"
+    def _spawn(self, record: WorkerRecord, held: bool = False, founder: bool = False) -> None:
+        """Start the worker's next incarnation (``held``: it builds everything, then waits for its release).
+
+        Only the first workers (``founder``) wait ``elastic.first_quorum_delay`` before their first quorum, so all
+        of them make it; a restart asks at once (the running workers' next quorum takes it in)."""
+        record.spawned += 1
+        hold_file = record.output_dir / f"release.{record.spawned}"  # its own: the next spare must not take it back
         hold_file.unlink(missing_ok=True)
         env = {**os.environ, "GASLOC_LAUNCHER_PID": str(os.getpid()), "RUST_LOG": "warn",
                "OMP_NUM_THREADS": str(self.elastic.cpu_threads)}
@@ -266,18 +289,19 @@ class ElasticRun:
             env[HOLD_FILE_ENV] = str(hold_file)
         log_file = open(record.output_dir / "worker.log", "ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path)],
+            [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path),
+             f"strategy.first_quorum_delay={self.elastic.first_quorum_delay if founder else 0.0}"],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         self.started_pids.append(process.pid)
         if held:
-            record.spare = process
+            record.spare, record.spare_release = process, hold_file
             return
         self._start_incarnation(record, process)
 
     def _release_spare(self, record: WorkerRecord) -> None:
         (record.output_dir / "progress.json").unlink(missing_ok=True)
-        (record.output_dir / "release").touch()
+        record.spare_release.touch()
         process, record.spare = record.spare, None
         self._start_incarnation(record, process)
 
@@ -424,7 +448,8 @@ class ElasticRun:
                 "worker": record.worker, "exit_code": record.exit_code, "incarnations": record.incarnations,
                 "applied_steps": record.applied, "final_step": final.get("step"), "joined": record.joined,
                 "left": record.left, "exit_steps": record.exit_steps, "val_loss": final.get("val_loss"),
-                "finished": record.exit_code == 0,
+                # ran to the end and validated (a restart that arrived as the run ended exits 0 without a loss)
+                "finished": record.exit_code == 0 and final.get("val_loss") is not None,
             })
         return {"lighthouse": self.address, "chaos": [str(e) for e in self.events], "workers": rows,
                 "pids": self.started_pids}
@@ -472,7 +497,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
         lighthouse=lighthouse, worker_id=worker, min_workers=elastic.min_workers,
         max_workers=elastic.max_workers or elastic.workers, connect_timeout=elastic.connect_timeout,
         quorum_timeout=elastic.quorum_timeout, gossip_timeout=elastic.gossip_timeout,
-        transfer_timeout=elastic.transfer_timeout, cpu_threads=elastic.cpu_threads,
+        transfer_timeout=elastic.transfer_timeout, first_quorum_delay=0.0, cpu_threads=elastic.cpu_threads,
     )
     run.strategy = strategy
     run.trainer.devices = 1

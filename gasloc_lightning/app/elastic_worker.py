@@ -1,9 +1,10 @@
-"""One elastic worker: ``python -m gasloc_lightning.app.elastic_worker WORKER_CONFIG.yaml``.
+"""One elastic worker: ``python -m gasloc_lightning.app.elastic_worker WORKER_CONFIG.yaml [KEY=VALUE ...]``.
 
 ``gasloc-elastic`` writes each worker's fully resolved config (the gasloc-train tree with an elastic
 strategy node, ``trainer.devices=1`` and this worker's data shard) and starts this module on it. On
-another machine, start it the same way on a copy of that file with ``strategy.worker_id`` and
-``strategy.lighthouse`` set (see ``docs/elastic.md``).
+another machine, start it the same way on a copy of that file, with ``KEY=VALUE`` overrides (OmegaConf
+dot-list) for what differs there, e.g. ``strategy.worker_id=3 data.rank=3 strategy.lighthouse=node0:29510``
+(see ``docs/elastic.md``).
 
 Besides the usual ``summary.json`` and ``metrics.csv``, the worker keeps ``progress.json`` in its
 folder (rewritten atomically at every step): what the launcher watches to run a chaos schedule and to
@@ -110,9 +111,24 @@ def model_checksum(trainer: pl.Trainer) -> float | None:
     return float(strategy.layout.read().double().sum())
 
 
-def run_worker(config_path: str | os.PathLike) -> int:
-    """Train one worker from its resolved config; returns the process exit code."""
+def load_worker_config(config_path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """A worker config file with ``KEY=VALUE`` overrides merged in (each key must exist in the file)."""
     cfg = OmegaConf.load(config_path)
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"worker override {override!r}: expected KEY=VALUE, e.g. strategy.worker_id=3")
+        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            raise ValueError(f"worker override {override!r}: {key} is not a key of {config_path}")
+    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+
+
+_MISSING = object()
+
+
+def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> int:
+    """Train one worker from its resolved config (and ``KEY=VALUE`` overrides); returns the process exit code."""
+    cfg = load_worker_config(config_path, overrides)
     output_dir = str(cfg.output_dir)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     progress = ElasticProgress(output_dir)
@@ -137,9 +153,19 @@ def run_worker(config_path: str | os.PathLike) -> int:
 
 
 def _wait_for_release() -> None:
+    """A held worker says it is ready (``<hold file>.ready``; not progress.json, which the running incarnation
+    of the same slot owns), then waits for its hold file."""
     hold = os.environ.get(HOLD_FILE_ENV)
-    while hold and not os.path.exists(hold):
+    if not hold:
+        return
+    Path(ready_file(hold)).touch()
+    while not os.path.exists(hold):
         time.sleep(0.05)
+
+
+def ready_file(hold_file: str | os.PathLike) -> str:
+    """The file a held worker creates once it has built everything and waits for ``hold_file``."""
+    return f"{hold_file}.ready"
 
 
 def _quiet_torchft() -> None:
@@ -152,12 +178,12 @@ def _quiet_torchft() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m gasloc_lightning.app.elastic_worker WORKER_CONFIG.yaml")
+    if not argv or "=" in argv[0]:
+        raise SystemExit("usage: python -m gasloc_lightning.app.elastic_worker WORKER_CONFIG.yaml [KEY=VALUE ...]")
     exit_with_parent()  # started by gasloc-elastic: never outlive it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _quiet_torchft()
-    code = run_worker(argv[0])
+    code = run_worker(argv[0], argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # torchft's server threads must not keep a finished worker alive

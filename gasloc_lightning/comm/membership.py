@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -138,6 +138,9 @@ class ElasticMembership:
         gossip_timeout: seconds any send, receive or all-reduce on the process group may take (a hung peer).
         transfer_timeout: seconds a state transfer to or from a peer may take.
         heartbeat_interval: seconds between heartbeats to the lighthouse.
+        first_quorum_delay: seconds between registering and asking for the first quorum, so that workers started
+            together are all heartbeating when it forms (the lighthouse then waits for every heartbeating worker,
+            up to its join timeout; without the delay the first ``min_workers`` to ask form it alone).
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class ElasticMembership:
         gossip_timeout: float = 30.0,
         transfer_timeout: float = 60.0,
         heartbeat_interval: float = 0.1,
+        first_quorum_delay: float = 0.0,
     ) -> None:
         self._url = lighthouse_url(lighthouse)
         if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
@@ -169,6 +173,9 @@ class ElasticMembership:
         self.connect_timeout, self.quorum_timeout = float(connect_timeout), float(quorum_timeout)
         self.gossip_timeout, self.transfer_timeout = float(gossip_timeout), float(transfer_timeout)
         self.heartbeat_interval = float(heartbeat_interval)
+        if not isinstance(first_quorum_delay, (int, float)) or isinstance(first_quorum_delay, bool) or first_quorum_delay < 0:
+            raise ValueError(f"first_quorum_delay must be a number of seconds >= 0, got {first_quorum_delay!r}")
+        self.first_quorum_delay = float(first_quorum_delay)
         self._manager: Any = None
         self._store: Any = None
         self._recorder: _QuorumRecorder | None = None
@@ -229,6 +236,25 @@ class ElasticMembership:
                 raise self._too_few_error(f"the last quorum had {quorum.size}")
             self._log_waiting()
             time.sleep(0.2)
+
+    def join(self) -> Quorum:
+        """The first quorum this worker trains in: like :meth:`start_quorum`, but an unusable one (a member died
+        while it formed, so this worker may not have received a peer's state) is reported and asked again,
+        instead of training a round from this worker's own start. :class:`MembershipError` after ``quorum_timeout``.
+        """
+        time.sleep(self.first_quorum_delay)  # heartbeating meanwhile: see the argument's doc
+        deadline = time.monotonic() + self.quorum_timeout
+        quorum = self.start_quorum()
+        healed = quorum.healed
+        while not quorum.usable:
+            if time.monotonic() >= deadline:
+                raise MembershipError(f"{self.name}: no usable quorum to join within quorum_timeout="
+                                      f"{self.quorum_timeout:g}s (the last failed with: {quorum.error})")
+            log.info("joining again worker=%s (the quorum failed as it formed)", self.name)
+            self.commit(quorum.max_step if healed else 0, quorum.error)
+            quorum = self.start_quorum()
+            healed = healed or quorum.healed
+        return replace(quorum, healed=healed)
 
     def _next_quorum(self, timeout: float) -> Quorum:
         manager = self._require_manager()

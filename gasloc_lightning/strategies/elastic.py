@@ -67,6 +67,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             exceed the time of one round, since a joiner waits for the others to finish theirs.
         transfer_timeout: seconds a state transfer to a joining worker may take.
         heartbeat_interval: seconds between this worker's heartbeats to the lighthouse.
+        first_quorum_delay: seconds between registering with the lighthouse and asking for the first quorum, for
+            workers started together, so that all make the first one (``gasloc-elastic`` gives its first workers
+            ``elastic.first_quorum_delay``); 0 for a restarted or added worker, which the next quorum takes in.
         gossip_timeout: seconds a send, receive or all-reduce may take before the peer counts as failed.
         outer_momentum: gamma; ``None`` takes the smallest topology default over the allowed quorum sizes.
         **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
@@ -86,6 +89,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         quorum_timeout: float = 120.0,
         transfer_timeout: float = 60.0,
         heartbeat_interval: float = 0.1,
+        first_quorum_delay: float = 0.0,
         gossip_timeout: float = 30.0,
         **kwargs: Any,
     ) -> None:
@@ -104,7 +108,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._membership_args = dict(
             lighthouse=lighthouse, worker_id=worker_id, min_workers=min_workers, connect_timeout=connect_timeout,
             quorum_timeout=quorum_timeout, gossip_timeout=gossip_timeout, transfer_timeout=transfer_timeout,
-            heartbeat_interval=heartbeat_interval,
+            heartbeat_interval=heartbeat_interval, first_quorum_delay=first_quorum_delay,
         )
         ElasticMembership(**self._membership_args, state_dict=dict, load_state_dict=print)  # validates the args
         self._membership: ElasticMembership | None = None
@@ -185,7 +189,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
         log.info("joining lighthouse=%s worker_id=%d", self._membership.lighthouse, self._membership.worker_id)
         self._membership.connect()
-        quorum = self._membership.start_quorum()
+        quorum = self._membership.join()
         if quorum.healed:
             self._align_trainer(in_step=False)
 
