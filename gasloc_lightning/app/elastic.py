@@ -235,7 +235,7 @@ class ElasticRun:
         deadline = time.monotonic() + self.elastic.timeout_s
         waiting = list(self.workers)
         while waiting:
-            waiting = [r for r in waiting if r.spare.poll() is None and not Path(ready_file(r.spare_release)).exists()]
+            waiting = [r for r in waiting if r.spare.poll() is None and not ready_file(r.spare_release).exists()]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gasloc-elastic: workers {[r.worker for r in waiting]} were not ready within "
                                    f"elastic.timeout_s={self.elastic.timeout_s:g}s")
@@ -288,10 +288,11 @@ class ElasticRun:
         if held:
             env[HOLD_FILE_ENV] = str(hold_file)
         log_file = open(record.output_dir / "worker.log", "ab")
+        command = [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path)]
+        if founder:  # the worker config says 0, right for a restart
+            command.append(f"strategy.first_quorum_delay={self.elastic.first_quorum_delay}")
         process = subprocess.Popen(
-            [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path),
-             f"strategy.first_quorum_delay={self.elastic.first_quorum_delay if founder else 0.0}"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         self.started_pids.append(process.pid)
         if held:

@@ -111,6 +111,9 @@ def model_checksum(trainer: pl.Trainer) -> float | None:
     return float(strategy.layout.read().double().sum())
 
 
+_MISSING = object()
+
+
 def load_worker_config(config_path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """A worker config file with ``KEY=VALUE`` overrides merged in (each key must exist in the file)."""
     cfg = OmegaConf.load(config_path)
@@ -121,9 +124,6 @@ def load_worker_config(config_path: str | os.PathLike, overrides: list[str] | tu
         if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
             raise ValueError(f"worker override {override!r}: {key} is not a key of {config_path}")
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-
-
-_MISSING = object()
 
 
 def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> int:
@@ -158,14 +158,14 @@ def _wait_for_release() -> None:
     hold = os.environ.get(HOLD_FILE_ENV)
     if not hold:
         return
-    Path(ready_file(hold)).touch()
+    ready_file(hold).touch()
     while not os.path.exists(hold):
         time.sleep(0.05)
 
 
-def ready_file(hold_file: str | os.PathLike) -> str:
+def ready_file(hold_file: str | os.PathLike) -> Path:
     """The file a held worker creates once it has built everything and waits for ``hold_file``."""
-    return f"{hold_file}.ready"
+    return Path(f"{hold_file}.ready")
 
 
 def _quiet_torchft() -> None:
