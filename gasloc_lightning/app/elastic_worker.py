@@ -87,6 +87,7 @@ class ElasticProgress(Callback):
             "members": strategy.quorum.names if elastic and strategy.quorum_size else [],
             "membership_changes": strategy.membership_changes if elastic else 0,
             "failed_exchanges": strategy.failed_exchanges if elastic else 0,
+            "failed_collectives": strategy.failed_collectives if elastic else 0,
             "healed_rounds": strategy.healed_rounds if elastic else [],
             **extra,
         }

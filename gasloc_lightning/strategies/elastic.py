@@ -7,11 +7,17 @@ the others through a torchft lighthouse (:mod:`gasloc_lightning.comm.membership`
 2. the gossip exchange with this round's peers, drawn from the round's quorum: the topology's graph
    for n = quorum size at round t, whose node i is the i-th of the sorted member ids. Every member
    derives the same matching from (seed, t, sorted ids) without a message;
-3. the commit (a failed exchange is reported only now, after the round's collectives) and the quorum
-   of the next round, in which a new, restarted or lagging worker receives the state of one live peer
-   (live point, outer state, inner optimizer and LR-scheduler state, round index) and continues at the
-   quorum's round with its own data shard (its data loader goes on from where it stands: a restarted
-   worker starts its shard's sampler afresh).
+3. the commit (a failed exchange is reported only now, after the round's collectives).
+
+The quorum of the next round forms at the next *boundary* where every member does the same thing: the
+consensus validation that follows the round (if Lightning validates at that step), else the first step of
+the next round, else the end-of-fit average. A new, restarted or lagging worker receives in it the state of
+one live peer (live point, outer state, inner optimizer and LR-scheduler state, round index, and which
+boundary the peer is at), performs the collectives the peer is about to perform (a joiner at a validation
+boundary takes part in its replica average), and continues at the quorum's round with its own data shard
+(its data loader goes on from where it stands: a restarted worker starts its shard's sampler afresh).
+Forming the quorum only at the boundary means the members of a consensus validation are exactly those
+that validate, and a worker that died in the round is already out of it.
 
 On failure: a peer that died (the exchange fails at once) or hung (after ``gossip_timeout``) leaves this
 worker with its own point for that peer's share, counted in ``comm/failed_exchanges``; the lighthouse
@@ -44,6 +50,9 @@ from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 log = logging.getLogger(__name__)
 
 __all__ = ["ElasticDiLoCoStrategy", "ElasticGASLoCStrategy", "ElasticJoinError", "ElasticMetricsCallback"]
+
+# Where a member is when the next quorum forms (sent to joiners with the state, so they do what it does next).
+_START, _TRAIN, _VALIDATE, _AVERAGE = "start", "train", "validate", "average"
 
 
 class ElasticJoinError(RuntimeError):
@@ -113,6 +122,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         ElasticMembership(**self._membership_args, state_dict=dict, load_state_dict=print)  # validates the args
         self._membership: ElasticMembership | None = None
         self._healed_rounds: list[int] = []
+        self._quorum_due = False  # a round was committed: the next boundary starts the next quorum
+        self._boundary = _START  # where this worker is while a quorum forms (told to the joiners it serves)
+        self._source_boundary = _TRAIN  # where the peer that served this worker's last heal was
+        self._skip_next_mean = False  # healed while validating, but the others are not: evaluate locally
+        self._finished = False  # healed into the others' end-of-fit average: no step or collective follows
 
     # ------------------------------------------------------------------ properties
     @property
@@ -136,6 +150,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     @property
     def failed_exchanges(self) -> int:
         return self._transport.failed_exchanges if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def failed_collectives(self) -> int:
+        """All-reduces over the quorum that failed (consensus evaluation, averages, DiLoCo rounds)."""
+        return self._transport.failed_collectives if isinstance(self._transport, ElasticTransport) else 0
 
     @property
     def healed_rounds(self) -> list[int]:
@@ -183,15 +202,20 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        if getattr(self.lightning_module.trainer, "_val_check_time_interval", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__} validates the consensus at steps every member shares: give "
+                "val_check_interval as a number of steps or a fraction of an epoch, not as a time"
+            )
         self._membership = ElasticMembership(
             **self._membership_args, state_dict=self._peer_state, load_state_dict=self._take_peer_state
         )
         self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
         log.info("joining lighthouse=%s worker_id=%d", self._membership.lighthouse, self._membership.worker_id)
         self._membership.connect()
-        quorum = self._membership.join()
-        if quorum.healed:
-            self._align_trainer(in_step=False)
+        self._boundary = _START
+        if self._membership.join().healed:
+            self._follow_peer(_START)
 
     def _signature(self) -> dict[str, Any]:
         """What every member of a run must share: the model's exchanged tensors and the hyperparameters."""
@@ -218,6 +242,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             "strategy": strategy,
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+            "boundary": self._boundary,
         })
 
     def _take_peer_state(self, state: dict[str, Any]) -> None:
@@ -228,6 +253,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             optimizer.load_state_dict(optimizer_state)
         for config, scheduler_state in zip(self.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
+        self._source_boundary = state.get("boundary", _TRAIN)
         self._healed_rounds.append(self.round_index)
         log.info("took a peer's state worker=%s round=%d", self.membership.name, self.round_index)
 
@@ -241,19 +267,70 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
                 f"workers' ({details}). Start it with the same configuration."
             )
 
-    def _align_trainer(self, in_step: bool) -> None:
-        """Move Lightning's step counters to the quorum's round (a joiner continues where the others are).
+    def _align_trainer(self, batch_started: bool) -> None:
+        """Move Lightning's step counters to the quorum's round (a healed worker continues where the others are).
 
-        Inside ``optimizer_step`` Lightning has not counted the current step yet: it will add one."""
-        steps = self.round_index * self.round_length - (1 if in_step else 0)
+        ``batch_started``: called from the strategy's ``on_train_batch_start``, where Lightning has counted the
+        batch as ready but not yet as started; otherwise between batches (fit start, validation)."""
+        steps = self.round_index * self.round_length
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
         for progress in (loop.automatic_optimization.optim_progress.optimizer.step.total,
                          loop.manual_optimization.optim_step_progress.total):
             progress.ready = progress.completed = steps
         batches = loop.batch_progress.total
-        batches.ready = batches.started = steps + (1 if in_step else 0)
-        batches.processed = batches.completed = steps
+        batches.ready = steps + (1 if batch_started else 0)
+        batches.started = batches.processed = batches.completed = steps
         loop._batches_that_stepped = steps
+
+    # ------------------------------------------------------------------ round boundaries
+    def _start_due_quorum(self, boundary: str) -> None:
+        """At a boundary after a committed round: form the next quorum (healing this worker if it is behind)."""
+        if not self._quorum_due or self._finished:
+            return
+        self._quorum_due = False
+        self._boundary = boundary
+        if self.membership.start_quorum().healed:  # a worker that stalled and came back
+            self._follow_peer(boundary)
+
+    def _follow_peer(self, mine: str) -> None:
+        """After taking a peer's state at boundary ``mine``: align the trainer and do what the peer does next.
+
+        The peer may be at another boundary (a worker behind validates at steps the others passed): the
+        collectives of the two must still pair up one to one."""
+        theirs = self._source_boundary
+        self._align_trainer(batch_started=mine == _TRAIN)
+        if theirs == _VALIDATE and mine != _VALIDATE:
+            self._replica_mean(self.layout.read())  # the others' consensus evaluation: take part, discard
+        if mine == _VALIDATE and theirs != _VALIDATE:
+            self._skip_next_mean = True  # the others are not evaluating: this validation uses the local replica
+        if theirs == _AVERAGE and mine == _TRAIN:  # the others are ending the fit: join their average, then stop
+            self.average_replicas()
+            self._finished = True
+            self.lightning_module.trainer.should_stop = True
+            log.info("healed into the end-of-fit average worker=%s: no further step", self.membership.name)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._start_due_quorum(_TRAIN)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._finished:  # Lightning needs the closure run; the averaged model stays as it is
+            return closure()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def swap_in_consensus(self) -> None:
+        self._start_due_quorum(_VALIDATE)
+        super().swap_in_consensus()
+
+    @override
+    def average_replicas(self) -> None:
+        if self._finished:
+            return
+        self._start_due_quorum(_AVERAGE)
+        super().average_replicas()
 
     # ------------------------------------------------------------------ the round
     @override
@@ -302,8 +379,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def end_round(self) -> None:
         super().end_round()
         self.membership.commit(self.round_index, self._transport.take_error())
-        if self.membership.start_quorum().healed:  # a worker that stalled and came back
-            self._align_trainer(in_step=True)
+        self._quorum_due = True  # formed at the next boundary (see the module docstring)
 
     # ------------------------------------------------------------------ consensus over the quorum
     @override
@@ -324,7 +400,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def _replica_mean(self, flat: Tensor) -> Tensor:
         mean = self._mean_buffer()[: flat.numel()]
         mean.copy_(flat)
-        if self.quorum_size > 1:
+        local_only, self._skip_next_mean = self._finished or self._skip_next_mean, False
+        if self.quorum_size > 1 and not local_only:
             try:
                 self._transport.all_reduce_mean(mean)
             except ElasticCollectiveError as error:
@@ -368,7 +445,8 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
 
 
 class ElasticMetricsCallback(Callback):
-    """Logs ``elastic/quorum_size``, ``elastic/membership_changes`` and ``comm/failed_exchanges`` every step."""
+    """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``comm/failed_exchanges`` and
+    ``comm/failed_collectives`` every step."""
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -379,6 +457,7 @@ class ElasticMetricsCallback(Callback):
             "elastic/quorum_size": float(strategy.quorum_size),
             "elastic/membership_changes": float(strategy.membership_changes),
             "comm/failed_exchanges": float(strategy.failed_exchanges),
+            "comm/failed_collectives": float(strategy.failed_collectives),
         }, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
