@@ -165,6 +165,35 @@ def test_random_chaos_is_seeded_restarts_every_kill_and_keeps_min_workers():
             random_chaos(**arguments)
 
 
+def test_a_time_based_validation_interval_is_refused_before_joining():
+    """Members must validate at the same steps (the consensus evaluation is a collective over the quorum)."""
+    import lightning.pytorch as pl
+    from dist_utils import TinyRegressor
+
+    strategy = ElasticGASLoCStrategy(lighthouse=f"{HOST}:1", worker_id=0, inner_steps=2, connect_timeout=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, val_check_interval="00:00:00:05")
+    with pytest.raises(ValueError, match="val_check_interval .* not as a time"):
+        trainer.fit(TinyRegressor())
+
+
+def test_the_launcher_refuses_a_join_timeout_not_longer_than_the_gossip_timeout():
+    from hydra import compose, initialize_config_dir
+
+    from app_utils import CONF
+    from gasloc_lightning.app.elastic import check_elastic
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        default = compose(config_name="elastic/app")
+        short = compose(config_name="elastic/app", overrides=["elastic.join_timeout_ms=10000", "elastic.gossip_timeout=10"])
+        remote = compose(config_name="elastic/app", overrides=["elastic.join_timeout_ms=10000", "elastic.gossip_timeout=10",
+                                                                "elastic.lighthouse=node0:29510"])
+    check_elastic(default)
+    check_elastic(remote)  # a lighthouse the launcher does not start: its join timeout is not known here
+    with pytest.raises(ValueError, match="join_timeout_ms=10000 must exceed elastic.gossip_timeout=10s"):
+        check_elastic(short)
+
+
 def test_worker_config_takes_dotlist_overrides_of_existing_keys(tmp_path):
     path = tmp_path / "worker_config.yaml"
     OmegaConf.save(OmegaConf.create({"strategy": {"worker_id": 0, "lighthouse": "a:1"}, "data": {"rank": 0}}), path)

@@ -64,7 +64,7 @@ class ElasticSchema:
     chaos: list[str] = field(default_factory=list)
     random_chaos: int = 0
     chaos_seed: int = 0
-    join_timeout_ms: int = 10000
+    join_timeout_ms: int = 15000
     heartbeat_timeout_ms: int = 2000
     connect_timeout: float = 10.0
     quorum_timeout: float = 120.0
@@ -526,6 +526,12 @@ def check_elastic(cfg: DictConfig) -> None:
         raise ValueError(f"elastic.workers must be >= 1, got {elastic.workers}")
     if not 1 <= elastic.min_workers <= elastic.workers:
         raise ValueError(f"elastic.min_workers must lie in [1, elastic.workers={elastic.workers}], got {elastic.min_workers}")
+    if elastic.lighthouse is None and not elastic.join_timeout_ms > 1000 * elastic.gossip_timeout:
+        raise ValueError(
+            f"elastic.join_timeout_ms={elastic.join_timeout_ms} must exceed elastic.gossip_timeout="
+            f"{elastic.gossip_timeout:g}s: a worker whose exchange or all-reduce with a dead peer times out asks "
+            "for the next quorum up to gossip_timeout after the others, and the lighthouse would form it without it"
+        )
     if cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] not in ("GASLoCStrategy", "DiLoCoStrategy"):
         raise ValueError("gasloc-elastic builds its strategy from strategy=gasloc or strategy=diloco settings")
     chaos_schedule(cfg)
