@@ -165,15 +165,25 @@ def test_random_chaos_is_seeded_restarts_every_kill_and_keeps_min_workers():
             random_chaos(**arguments)
 
 
-def test_a_time_based_validation_interval_is_refused_before_joining():
-    """Members must validate at the same steps (the consensus evaluation is a collective over the quorum)."""
+@pytest.mark.parametrize(
+    "trainer_arguments, message",
+    [
+        ({"val_check_interval": "00:00:00:05", "check_val_every_n_epoch": None}, "val_check_interval .* not as a time"),
+        ({"val_check_interval": 1.0}, "check_val_every_n_epoch=1 schedules validation from each worker's own epoch"),
+        ({"accumulate_grad_batches": 2, "limit_val_batches": 0}, "accumulate_grad_batches must be 1"),
+    ],
+)
+def test_trainer_settings_that_would_desynchronise_the_workers_are_refused_before_joining(trainer_arguments, message):
+    """Members must validate at the same global steps (the consensus evaluation is a collective over the quorum),
+    and a healed worker's counters move by one batch per step."""
     import lightning.pytorch as pl
     from dist_utils import TinyRegressor
 
     strategy = ElasticGASLoCStrategy(lighthouse=f"{HOST}:1", worker_id=0, inner_steps=2, connect_timeout=1)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, val_check_interval="00:00:00:05")
-    with pytest.raises(ValueError, match="val_check_interval .* not as a time"):
+                         enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                         **trainer_arguments)
+    with pytest.raises(ValueError, match=message):
         trainer.fit(TinyRegressor())
 
 

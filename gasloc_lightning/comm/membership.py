@@ -228,10 +228,12 @@ class ElasticMembership:
         asks again until ``quorum_timeout`` has passed, then raises :class:`MembershipError`.
         """
         deadline = time.monotonic() + self.quorum_timeout
+        healed = False
         while True:
             quorum = self._next_quorum(max(0.1, deadline - time.monotonic()))
+            healed = healed or quorum.healed  # a heal in a quorum too small to train in still happened
             if quorum.size >= self.min_workers:
-                return quorum
+                return replace(quorum, healed=healed)
             if time.monotonic() >= deadline:
                 raise self._too_few_error(f"the last quorum had {quorum.size}")
             self._log_waiting()
@@ -344,3 +346,8 @@ class ElasticMembership:
     @property
     def lighthouse(self) -> str:
         return self._url
+
+    @property
+    def connected(self) -> bool:
+        """Between :meth:`connect` and :meth:`shutdown`."""
+        return self._manager is not None

@@ -12,9 +12,9 @@ the others through a torchft lighthouse (:mod:`gasloc_lightning.comm.membership`
 The quorum of the next round forms at the next *boundary* where every member does the same thing: the
 consensus validation that follows the round (if Lightning validates at that step), else the first step of
 the next round, else the end-of-fit average. A new, restarted or lagging worker receives in it the state of
-one live peer (live point, outer state, inner optimizer and LR-scheduler state, round index, and which
-boundary the peer is at), performs the collectives the peer is about to perform (a joiner at a validation
-boundary takes part in its replica average), and continues at the quorum's round with its own data shard
+one live peer (live point, outer state, inner optimizer and LR-scheduler state, round index, and where the
+peer is: its boundary, its global step, whether its fit ends there), performs the collectives the peer is
+about to perform (a joiner at a validation boundary takes part in its replica average), and continues at the quorum's round with its own data shard
 (its data loader goes on from where it stands: a restarted worker starts its shard's sampler afresh).
 Forming the quorum only at the boundary means the members of a consensus validation are exactly those
 that validate, and a worker that died in the round is already out of it.
@@ -38,6 +38,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
@@ -73,13 +74,15 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             [max(2, min_workers), max_workers] (checked at construction).
         connect_timeout: seconds to reach the lighthouse (then a clear error).
         quorum_timeout: seconds a round waits for a quorum of ``min_workers`` (then a clear error). Must
-            exceed the time of one round, since a joiner waits for the others to finish theirs.
+            exceed the time of one round and a validation, since a joiner waits for the others to finish theirs.
         transfer_timeout: seconds a state transfer to a joining worker may take.
         heartbeat_interval: seconds between this worker's heartbeats to the lighthouse.
         first_quorum_delay: seconds between registering with the lighthouse and asking for the first quorum, for
             workers started together, so that all make the first one (``gasloc-elastic`` gives its first workers
             ``elastic.first_quorum_delay``); 0 for a restarted or added worker, which the next quorum takes in.
-        gossip_timeout: seconds a send, receive or all-reduce may take before the peer counts as failed.
+        gossip_timeout: seconds a send, receive or all-reduce may take before the peer counts as failed. Must
+            exceed the time a joiner takes to receive and load a peer's state (the first collective after a
+            join waits for it).
         outer_momentum: gamma; ``None`` takes the smallest topology default over the allowed quorum sizes.
         **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
             ``ranks_per_worker > 1`` are not supported in the elastic mode).
@@ -122,9 +125,13 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         ElasticMembership(**self._membership_args, state_dict=dict, load_state_dict=print)  # validates the args
         self._membership: ElasticMembership | None = None
         self._healed_rounds: list[int] = []
+        self._reset_boundary_state()
+
+    def _reset_boundary_state(self) -> None:
+        """Per fit: where this worker stands between rounds (see the module docstring)."""
         self._quorum_due = False  # a round was committed: the next boundary starts the next quorum
         self._boundary = _START  # where this worker is while a quorum forms (told to the joiners it serves)
-        self._source_boundary = _TRAIN  # where the peer that served this worker's last heal was
+        self._source: dict[str, Any] = {}  # the boundary, step and ending of the peer that served the last heal
         self._skip_next_mean = False  # healed while validating, but the others are not: evaluate locally
         self._finished = False  # healed into the others' end-of-fit average: no step or collective follows
 
@@ -202,20 +209,36 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        if getattr(self.lightning_module.trainer, "_val_check_time_interval", None) is not None:
-            raise ValueError(
-                f"{type(self).__name__} validates the consensus at steps every member shares: give "
-                "val_check_interval as a number of steps or a fraction of an epoch, not as a time"
-            )
+        self._check_trainer(self.lightning_module.trainer)
+        self._reset_boundary_state()
         self._membership = ElasticMembership(
             **self._membership_args, state_dict=self._peer_state, load_state_dict=self._take_peer_state
         )
         self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
         log.info("joining lighthouse=%s worker_id=%d", self._membership.lighthouse, self._membership.worker_id)
         self._membership.connect()
-        self._boundary = _START
         if self._membership.join().healed:
             self._follow_peer(_START)
+
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        """Members must validate at the same global steps (the consensus evaluation is a collective over the
+        quorum), and a healed worker's step counters are moved to the quorum's, one batch per step."""
+        name = type(self).__name__
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"{name} counts one batch per optimizer step: accumulate_grad_batches must be 1, "
+                             f"got {trainer.accumulate_grad_batches}")
+        if not trainer.enable_validation:
+            return
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            raise ValueError(f"{name} validates the consensus at steps every member shares: give "
+                             "val_check_interval as a number of steps, not as a time")
+        if trainer.check_val_every_n_epoch is not None:
+            raise ValueError(
+                f"{name} validates the consensus at global steps every member shares, but "
+                f"check_val_every_n_epoch={trainer.check_val_every_n_epoch} schedules validation from each worker's "
+                "own epoch (a restarted worker restarts its sampler): set check_val_every_n_epoch=None and "
+                "val_check_interval=<steps>, or limit_val_batches=0"
+            )
 
     def _signature(self) -> dict[str, Any]:
         """What every member of a run must share: the model's exchanged tensors and the hyperparameters."""
@@ -242,8 +265,14 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             "strategy": strategy,
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             "schedulers": [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
-            "boundary": self._boundary,
+            "boundary": {"at": self._boundary, "step": self.lightning_module.trainer.global_step,
+                         "ending": self._ending()},
         })
+
+    def _ending(self) -> bool:
+        """Whether this worker's fit ends at this boundary (its end-of-fit average is the next collective)."""
+        trainer = self.lightning_module.trainer
+        return self._boundary == _AVERAGE or 0 < trainer.max_steps <= trainer.global_step
 
     def _take_peer_state(self, state: dict[str, Any]) -> None:
         self._refuse_if_different(state["signature"])
@@ -253,7 +282,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             optimizer.load_state_dict(optimizer_state)
         for config, scheduler_state in zip(self.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
-        self._source_boundary = state.get("boundary", _TRAIN)
+        self._source = dict(state["boundary"])
         self._healed_rounds.append(self.round_index)
         log.info("took a peer's state worker=%s round=%d", self.membership.name, self.round_index)
 
@@ -267,25 +296,27 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
                 f"workers' ({details}). Start it with the same configuration."
             )
 
-    def _align_trainer(self, batch_started: bool) -> None:
-        """Move Lightning's step counters to the quorum's round (a healed worker continues where the others are).
+    def _align_trainer(self, step: int, mine: str) -> None:
+        """Move Lightning's step and batch counters to ``step`` (the serving peer's): a healed worker continues
+        where the others are. ``mine`` is where this worker is, since Lightning counts differently there:
 
-        ``batch_started``: called from the strategy's ``on_train_batch_start``, where Lightning has counted the
-        batch as ready but not yet as started; otherwise between batches (fit start, validation)."""
-        steps = self.round_index * self.round_length
+        - ``train`` (the strategy's ``on_train_batch_start``): this batch is counted as ready, not yet started;
+        - ``validate`` (after a batch): the batch is counted, but ``_batches_that_stepped`` only after validation;
+        - ``start`` (fit start): nothing of the first batch is counted.
+        """
         loop = self.lightning_module.trainer.fit_loop.epoch_loop
         for progress in (loop.automatic_optimization.optim_progress.optimizer.step.total,
                          loop.manual_optimization.optim_step_progress.total):
-            progress.ready = progress.completed = steps
+            progress.ready = progress.completed = step
         batches = loop.batch_progress.total
-        batches.ready = steps + (1 if batch_started else 0)
-        batches.started = batches.processed = batches.completed = steps
-        loop._batches_that_stepped = steps
+        batches.ready = step + (1 if mine == _TRAIN else 0)
+        batches.started = batches.processed = batches.completed = step
+        loop._batches_that_stepped = step - (1 if mine == _VALIDATE else 0)
 
     # ------------------------------------------------------------------ round boundaries
     def _start_due_quorum(self, boundary: str) -> None:
         """At a boundary after a committed round: form the next quorum (healing this worker if it is behind)."""
-        if not self._quorum_due or self._finished:
+        if not self._quorum_due or self._finished or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return
         self._quorum_due = False
         self._boundary = boundary
@@ -295,15 +326,19 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def _follow_peer(self, mine: str) -> None:
         """After taking a peer's state at boundary ``mine``: align the trainer and do what the peer does next.
 
-        The peer may be at another boundary (a worker behind validates at steps the others passed): the
-        collectives of the two must still pair up one to one."""
-        theirs = self._source_boundary
-        self._align_trainer(batch_started=mine == _TRAIN)
+        The peer may be at another boundary (a worker that was behind validates at steps the others passed):
+        the collectives of the two must still pair up one to one. What the peer does next: the replica mean of
+        a validation (``validate``), then the round's exchange (``train``) or, if its fit ends here, the
+        end-of-fit average."""
+        theirs, step, ending = self._source["at"], self._source["step"], self._source["ending"]
+        finishing = ending and mine == _TRAIN  # this worker's batch would train: it must end with the others
+        self._align_trainer(step - 1 if finishing else step, mine)  # the untrained batch then lands on step
         if theirs == _VALIDATE and mine != _VALIDATE:
             self._replica_mean(self.layout.read())  # the others' consensus evaluation: take part, discard
         if mine == _VALIDATE and theirs != _VALIDATE:
             self._skip_next_mean = True  # the others are not evaluating: this validation uses the local replica
-        if theirs == _AVERAGE and mine == _TRAIN:  # the others are ending the fit: join their average, then stop
+        # ``start`` and ``validate`` reach the end-of-fit average on their own: the fit loop sees the aligned step
+        if finishing:
             self.average_replicas()
             self._finished = True
             self.lightning_module.trainer.should_stop = True
@@ -400,7 +435,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def _replica_mean(self, flat: Tensor) -> Tensor:
         mean = self._mean_buffer()[: flat.numel()]
         mean.copy_(flat)
-        local_only, self._skip_next_mean = self._finished or self._skip_next_mean, False
+        local_only = self._finished or self._skip_next_mean or not self._membership_connected()
+        self._skip_next_mean = False
         if self.quorum_size > 1 and not local_only:
             try:
                 self._transport.all_reduce_mean(mean)
@@ -416,10 +452,14 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         if not any(isinstance(cb, ElasticMetricsCallback) for cb in trainer.callbacks):
             trainer.callbacks.append(ElasticMetricsCallback())
 
+    def _membership_connected(self) -> bool:
+        return self._membership is not None and self._membership.connected
+
     @override
     def teardown(self) -> None:
         if self._membership is not None:
             self._membership.shutdown()
+        self._reset_boundary_state()  # a later validate/test evaluates locally and forms no quorum
         super().teardown()
 
     @classmethod
