@@ -98,7 +98,7 @@ class DiLoCoStrategySchema(LocalStepsSchema):
 class DDPStrategySchema:
     """Lightning's DDP: a gradient all-reduce every optimizer step (the dense baseline)."""
 
-    _target_: str = "lightning.pytorch.strategies.DDPStrategy"
+    _target_: str = "gasloc_lightning.strategies.baselines.DenseDDPStrategy"
     start_method: str = "spawn"
     process_group_backend: Optional[str] = None
     find_unused_parameters: bool = False

@@ -1,4 +1,7 @@
-"""What the dense DDP baseline needs to be compared with GASLoC: its traffic and its thread budget.
+"""What the dense DDP baseline needs to be compared with GASLoC: its traffic, its thread budget, and a clean exit.
+
+``DenseDDPStrategy`` (the app's ``strategy=ddp``) is Lightning's ``DDPStrategy`` whose spawned workers
+destroy their process group before they exit.
 
 DDP all-reduces every gradient at every optimizer step. ``AllReduceTraffic`` counts that
 traffic analytically, as the transport counts GASLoC's all-reduces: a ring all-reduce of
@@ -23,10 +26,21 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
+from gasloc_lightning.strategies.launcher import release_process_group_in_child
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
 log = logging.getLogger(__name__)
+
+
+class DenseDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy``, unchanged, except that its spawned or forked workers destroy their process
+    group at teardown (see :func:`~gasloc_lightning.strategies.launcher.release_process_group_in_child`)."""
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        release_process_group_in_child()
 
 
 def is_dense_ddp(strategy: Any) -> bool:

@@ -6,6 +6,8 @@
 - :func:`exit_with_parent` makes a worker exit when the process that launched it is gone (it was
   killed, say): Linux's parent-death signal where available, and a watchdog thread on the parent's
   pid everywhere.
+- :func:`release_process_group_in_child` destroys a spawned or forked worker's process group before it
+  exits.
 
 A failing worker other than the launching one is already handled by Lightning: its process observer
 stops the others within a few seconds.
@@ -24,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
@@ -108,3 +111,14 @@ def _watch_parent(parent: int) -> None:
         time.sleep(_WATCHDOG_PERIOD_S)
     log.error("the launching process (pid %d) is gone: this worker exits", parent)
     os._exit(1)
+
+
+def release_process_group_in_child() -> None:
+    """In a spawned or forked worker (which exits right after its teardown): destroy the process group now.
+
+    Left to the interpreter's shutdown, gloo's threads were seen to abort the worker ("terminate called
+    without an active exception"; about one in six runs of a 2-rank DDP job on a loaded 2-core machine).
+    Destroying the group is local, so it cannot hang. A no-op in the launching process.
+    """
+    if multiprocessing.parent_process() is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -21,7 +21,6 @@ Subclasses implement ``_communicate``.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import secrets
 from collections.abc import Mapping
@@ -46,7 +45,11 @@ from gasloc_lightning.plugins import per_rank as ckpt
 from gasloc_lightning.plugins.per_rank_io import resolve_checkpoint_io
 from gasloc_lightning.strategies.consensus import ConsensusSwap
 from gasloc_lightning.strategies.guards import NonFiniteGuard, OnNonFinite
-from gasloc_lightning.strategies.launcher import StoppingSubprocessLauncher, exit_with_parent
+from gasloc_lightning.strategies.launcher import (
+    StoppingSubprocessLauncher,
+    exit_with_parent,
+    release_process_group_in_child,
+)
 from gasloc_lightning.strategies.lightning_compat import _set_num_threads_if_needed, move_sigterm_check
 from gasloc_lightning.strategies.round_clock import RoundClock
 from gasloc_lightning.strategies.schedule import InnerSteps, RoundSchedule
@@ -664,11 +667,7 @@ class LocalStepsStrategy(DDPStrategy):
     def teardown(self) -> None:
         self.restore_local()
         super().teardown()
-        if multiprocessing.parent_process() is not None and dist.is_initialized():
-            # A spawned or forked worker exits right after this. Left to the interpreter's shutdown,
-            # the gloo process group was seen to abort a worker ("terminate called without an active
-            # exception") once in a CI run; destroying it here is local, so it cannot hang.
-            dist.destroy_process_group()
+        release_process_group_in_child()
 
 
 _round_callback: list[type[pl.Callback] | None] = [None]
