@@ -8,13 +8,23 @@ import socket
 import subprocess
 import time
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 pytest.importorskip("torchft")
 
-from gasloc_lightning.app.elastic import free_port, lighthouse_command, parse_chaos, random_chaos  # noqa: E402
+from app_utils import CONF  # noqa: E402
+from dist_utils import TinyRegressor  # noqa: E402
+from gasloc_lightning.app.elastic import (  # noqa: E402
+    check_elastic,
+    free_port,
+    lighthouse_command,
+    parse_chaos,
+    random_chaos,
+)
 from gasloc_lightning.app.elastic_worker import load_worker_config  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
@@ -176,9 +186,6 @@ def test_random_chaos_is_seeded_restarts_every_kill_and_keeps_min_workers():
 def test_trainer_settings_that_would_desynchronise_the_workers_are_refused_before_joining(trainer_arguments, message):
     """Members must validate at the same global steps (the consensus evaluation is a collective over the quorum),
     and a healed worker's counters move by one batch per step."""
-    import lightning.pytorch as pl
-    from dist_utils import TinyRegressor
-
     strategy = ElasticGASLoCStrategy(lighthouse=f"{HOST}:1", worker_id=0, inner_steps=2, connect_timeout=1)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
@@ -188,11 +195,6 @@ def test_trainer_settings_that_would_desynchronise_the_workers_are_refused_befor
 
 
 def test_the_launcher_refuses_a_join_timeout_not_longer_than_the_gossip_timeout():
-    from hydra import compose, initialize_config_dir
-
-    from app_utils import CONF
-    from gasloc_lightning.app.elastic import check_elastic
-
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         default = compose(config_name="elastic/app")
         short = compose(config_name="elastic/app", overrides=["elastic.join_timeout_ms=10000", "elastic.gossip_timeout=10"])

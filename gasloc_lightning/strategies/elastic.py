@@ -14,8 +14,9 @@ consensus validation that follows the round (if Lightning validates at that step
 the next round, else the end-of-fit average. A new, restarted or lagging worker receives in it the state of
 one live peer (live point, outer state, inner optimizer and LR-scheduler state, round index, and where the
 peer is: its boundary, its global step, whether its fit ends there), performs the collectives the peer is
-about to perform (a joiner at a validation boundary takes part in its replica average), and continues at the quorum's round with its own data shard
-(its data loader goes on from where it stands: a restarted worker starts its shard's sampler afresh).
+about to perform (a joiner at a validation boundary takes part in its replica average), and continues at
+the quorum's round with its own data shard (its data loader goes on from where it stands: a restarted
+worker starts its shard's sampler afresh).
 Forming the quorum only at the boundary means the members of a consensus validation are exactly those
 that validate, and a worker that died in the round is already out of it.
 
@@ -316,7 +317,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     # ------------------------------------------------------------------ round boundaries
     def _start_due_quorum(self, boundary: str) -> None:
         """At a boundary after a committed round: form the next quorum (healing this worker if it is behind)."""
-        if not self._quorum_due or self._finished or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+        # (a finished worker never has one due: its steps are not counted, so no round ends)
+        if not self._quorum_due or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return
         self._quorum_due = False
         self._boundary = boundary
