@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import lightning.pytorch as pl
 import pytest
@@ -29,28 +30,53 @@ from gasloc_lightning.app.elastic_worker import load_worker_config  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
 
-HOST = socket.gethostname()
+HOST = "127.0.0.1"  # every service binds loopback unless told otherwise
+SECRET = b"test-run-secret"
+
+
+@pytest.fixture(autouse=True)
+def _run_secret(monkeypatch):
+    """The run's secret, as gasloc-elastic hands it to its workers."""
+    monkeypatch.setenv("GASLOC_ELASTIC_SECRET", SECRET.decode())
 
 
 def _membership(address: str, worker_id: int = 0, **overrides) -> ElasticMembership:
     state = {"x": torch.zeros(3)}
     settings = dict(lighthouse=address, worker_id=worker_id, min_workers=1, state_dict=lambda: dict(state),
                     load_state_dict=state.update, connect_timeout=2, quorum_timeout=2, gossip_timeout=2,
-                    transfer_timeout=5)
+                    transfer_timeout=5, secret=SECRET)
     return ElasticMembership(**{**settings, **overrides})
+
+
+def _start_lighthouse(min_workers: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen(lighthouse_command(port, min_workers, 200, 1000), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"{HOST}:{port}"
+    deadline = time.monotonic() + 10
+    while not lighthouse_reachable(address, timeout=0.2):
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            process.wait()
+            raise AssertionError("the lighthouse did not start")
+        time.sleep(0.05)
+    return process, address
 
 
 @pytest.fixture
 def lighthouse_process():
     """A ``torchft_lighthouse`` process (min 1 worker, 1 s heartbeat timeout); stopped by pid."""
-    port = free_port()
-    process = subprocess.Popen(lighthouse_command(port, 1, 200, 1000), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    address = f"{HOST}:{port}"
-    deadline = time.monotonic() + 10
-    while not lighthouse_reachable(address, timeout=0.2):
-        assert time.monotonic() < deadline and process.poll() is None, "the lighthouse did not start"
-        time.sleep(0.05)
+    process, address = _start_lighthouse(1)
+    yield process, address
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+@pytest.fixture
+def lighthouse_of_two():
+    """A lighthouse that forms no quorum below 2 workers: a lone worker's quorum request really times out."""
+    process, address = _start_lighthouse(2)
     yield process, address
     if process.poll() is None:
         process.kill()
@@ -69,6 +95,7 @@ def test_unreachable_lighthouse_fails_within_connect_timeout():
 
 @pytest.mark.timeout(60)
 def test_quorum_below_min_workers_waits_then_fails_clearly(lighthouse_process, caplog):
+    """The lighthouse forms quorums of 1, this worker wants 2: it asks again until quorum_timeout."""
     _, address = lighthouse_process
     membership = _membership(address, min_workers=2, quorum_timeout=2)
     membership.connect()
@@ -79,12 +106,35 @@ def test_quorum_below_min_workers_waits_then_fails_clearly(lighthouse_process, c
                 membership.start_quorum()
         assert 1.5 < time.monotonic() - start < 10
         assert "waiting for a quorum" in caplog.text
-        start = time.monotonic()  # the failed quorum is not sticky: the next call waits again
-        with pytest.raises(MembershipError):
-            membership.start_quorum()
-        assert time.monotonic() - start > 1.5
     finally:
         membership.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_timed_out_quorum_request_is_not_sticky(lighthouse_of_two):
+    """torchft's own quorum request times out (the lighthouse wants 2): torchft would re-raise that failure on
+    every later call; the next call must wait again, and then join a quorum that does form."""
+    _, address = lighthouse_of_two
+    first = _membership(address, worker_id=0, quorum_timeout=2)
+    second = _membership(address, worker_id=1, quorum_timeout=20)
+    first.connect()
+    try:
+        start = time.monotonic()
+        with pytest.raises(MembershipError, match="quorum_timeout=2s"):
+            first.start_quorum()
+        assert 1.5 < time.monotonic() - start < 10
+        start = time.monotonic()
+        with pytest.raises(MembershipError):
+            first.start_quorum()
+        assert time.monotonic() - start > 1.5  # it waited again instead of re-raising at once
+        second.connect()
+        with ThreadPoolExecutor(2) as pool:
+            quorums = [future.result(timeout=30) for future in
+                       [pool.submit(member.join) for member in (first, second)]]
+        assert [q.size for q in quorums] == [2, 2] and sorted(q.index for q in quorums) == [0, 1]
+    finally:
+        first.shutdown()
+        second.shutdown()
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,11 @@ dot-list) for what differs there, e.g. ``strategy.worker_id=3 data.rank=3 strate
 
 Besides the usual ``summary.json`` and ``metrics.csv``, the worker keeps ``progress.json`` in its
 folder (rewritten atomically at every step): what the launcher watches to run a chaos schedule and to
-print the quorum size.
+print the quorum size. Its final ``state`` is ``done`` (trained to the end), ``left`` (SIGTERM: it left
+the run; after a clean leave its own replica is checkpointed in ``checkpoints/left``, which
+``ckpt_path`` resumes), ``refused`` (surplus past ``max_workers``) or ``failed``.
+
+The run's secret comes from the environment (``GASLOC_ELASTIC_SECRET``), never from the config file.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from typing_extensions import override
 
 from gasloc_lightning.app.train import build
 from gasloc_lightning.data import ByteDataModule
-from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
+from gasloc_lightning.comm.membership import SurplusWorkerError
+from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy, ElasticLeave
 from gasloc_lightning.strategies.launcher import exit_with_parent
 
 log = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
+LEAVE_CHECKPOINT = "checkpoints/left"  # inside the worker's folder: its replica after a clean leave
 # Set by the launcher for a warm restart: the worker builds everything, then waits for this file to exist
 # before it joins (so a scheduled restart is not delayed by the seconds of importing torch).
 HOLD_FILE_ENV = "GASLOC_ELASTIC_HOLD_FILE"
@@ -128,7 +134,8 @@ def load_worker_config(config_path: str | os.PathLike, overrides: list[str] | tu
 
 
 def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> int:
-    """Train one worker from its resolved config (and ``KEY=VALUE`` overrides); returns the process exit code."""
+    """Train one worker from its resolved config (and ``KEY=VALUE`` overrides); returns the process exit code
+    (0 when it trained to the end or left after SIGTERM)."""
     cfg = load_worker_config(config_path, overrides)
     output_dir = str(cfg.output_dir)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -139,18 +146,38 @@ def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str,
         trainer, model, datamodule = build(cfg)
         trainer.callbacks.append(progress)
         _wait_for_release()
-        log.info("fit starts worker_dir=%s", output_dir)
-        trainer.fit(model, datamodule=datamodule)
+        log.info("fit starts worker_dir=%s ckpt_path=%s", output_dir, cfg.get("ckpt_path"))
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    except ElasticLeave as leave:
+        log.warning("left without finishing the round: %s", leave)
+        return _ended(output_dir, progress, "left", 0, error=str(leave))
+    except SurplusWorkerError as error:
+        log.error("%s", error)
+        return _ended(output_dir, progress, "refused", 3, error=str(error))
     except BaseException as error:
         log.exception("worker failed")
-        write_progress(output_dir, {"pid": os.getpid(), "state": "failed", "time": time.time(),
-                                    "error": f"{type(error).__name__}: {error}", "applied": progress.applied,
-                                    "first_step": progress.first_step})
-        return 1
+        return _ended(output_dir, progress, "failed", 1, error=f"{type(error).__name__}: {error}")
     val_loss = trainer.callback_metrics.get("val/loss")
-    write_progress(output_dir, progress.record(
-        trainer, "done", val_loss=None if val_loss is None else float(val_loss), model_checksum=model_checksum(trainer)))
+    extra = {"val_loss": None if val_loss is None else float(val_loss), "model_checksum": model_checksum(trainer)}
+    left = getattr(trainer.strategy, "left", False)
+    if left:
+        extra["checkpoint"] = _save_leave_checkpoint(trainer, output_dir)
+    write_progress(output_dir, progress.record(trainer, "left" if left else "done", **extra))
     return 0
+
+
+def _ended(output_dir: str, progress: ElasticProgress, state: str, code: int, error: str) -> int:
+    write_progress(output_dir, {"pid": os.getpid(), "state": state, "time": time.time(), "error": error,
+                                "applied": progress.applied, "first_step": progress.first_step})
+    return code
+
+
+def _save_leave_checkpoint(trainer: pl.Trainer, output_dir: str) -> str:
+    """This worker's own replica and state after a clean leave (a per-rank checkpoint ``ckpt_path`` resumes)."""
+    path = Path(output_dir) / LEAVE_CHECKPOINT
+    trainer.save_checkpoint(path)
+    log.info("saved the leave checkpoint path=%s step=%d", path, trainer.global_step)
+    return str(path)
 
 
 def _wait_for_release() -> None:

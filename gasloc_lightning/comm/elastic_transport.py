@@ -2,16 +2,21 @@
 
 Ranks are indices in the current quorum's sorted member list (:class:`~gasloc_lightning.comm.membership.Quorum`).
 Unlike the static transport, an exchange that fails does not raise: a peer that died fails fast
-("Connection closed by peer"), a hung one after the process group's timeout (``gossip_timeout``), and
-either way this worker keeps its own point for that peer's share (the failed peer is left out of the
-received list) and the failure is counted in :attr:`failed_exchanges`. The first error of a round is
-kept in :attr:`error` for the membership to report after the round's collectives.
+("Connection closed by peer"), a hung one once the exchange's single deadline has passed
+(``gossip_timeout`` from posting, whatever the number of peers, so a worker asks for the next quorum
+at most that late), and either way this worker keeps its own point for that peer's share (the failed
+peer is left out of the received list) and the failure is counted once, in :attr:`failed_exchanges`
+(a round's exchange, DiLoCo's all-reduce included) or :attr:`failed_collectives` (the other
+all-reduces: consensus evaluation, the end-of-fit average). The first error of a round is kept in
+:attr:`error` for the membership to report after the round's collectives.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -73,7 +78,7 @@ class ElasticTransport:
         """Start sending ``message`` to every peer (quorum indices) and receiving theirs; returns at once."""
         if clock is not None:
             raise ValueError("ElasticTransport carries no simulated clock")
-        pending = PendingExchange(round_index=round_index, peers=dict(peers))
+        pending = PendingExchange(round_index=round_index, peers=dict(peers), deadline=time.monotonic() + self.timeout)
         pg, quorum = self.membership.process_group, self.membership.quorum
         for slot, peer in enumerate(sorted(peers)):
             incoming = self.receive_buffer(slot)
@@ -96,7 +101,7 @@ class ElasticTransport:
         """
         received, completed = [], []
         for (peer, works), pair in zip(pending.works, pending.received):
-            failure = self._wait_all(works)
+            failure = self._wait_all(works, pending.deadline)
             if failure is None:
                 received.append(pair)
                 completed.append(peer)
@@ -112,11 +117,14 @@ class ElasticTransport:
         return received, completed
 
     @staticmethod
-    def _wait_all(works: list[Any]) -> Exception | None:
+    def _wait_all(works: list[Any], deadline: float | None) -> Exception | None:
         failure = None
         for work in works:  # wait for every op even after a failure: none is left half posted
             try:
-                work.wait()
+                if deadline is None:
+                    work.wait()
+                else:  # what is left of the exchange's one deadline (0 would mean gloo's own timeout)
+                    work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except Exception as error:
                 failure = failure or error
         return failure
@@ -126,9 +134,10 @@ class ElasticTransport:
         self.counters.bytes_sent += num_bytes
         self.counters.bytes_received += num_bytes
 
-    def all_reduce_mean(self, tensor: Tensor) -> Tensor:
+    def all_reduce_mean(self, tensor: Tensor, *, round_exchange: bool = False) -> Tensor:
         """In-place mean over the quorum; :class:`ElasticCollectiveError` if a member failed (``tensor`` is
-        then undefined: callers restore it)."""
+        then undefined: callers restore it). A failure is counted once: in :attr:`failed_exchanges` when the
+        all-reduce is a round's exchange (``round_exchange``, DiLoCo), else in :attr:`failed_collectives`."""
         size = self.world_size
         if size <= 1:
             return tensor
@@ -139,9 +148,12 @@ class ElasticTransport:
         try:
             if not self.membership.quorum.usable:
                 raise RuntimeError(f"unusable quorum: {self.membership.quorum.error}")
-            self.membership.process_group.allreduce([tensor], options).wait()
+            self.membership.process_group.allreduce([tensor], options).wait(timedelta(seconds=self.timeout))
         except Exception as error:
-            self.failed_collectives += 1
+            if round_exchange:
+                self.failed_exchanges += 1
+            else:
+                self.failed_collectives += 1
             self.error = self.error or error
             raise ElasticCollectiveError(f"all-reduce over {size} workers failed: {_first_line(error)}") from error
         tensor.div_(size)
@@ -158,7 +170,7 @@ class _FailedWork:
     def __init__(self, error: Exception) -> None:
         self._error = error
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         raise self._error
 
 

@@ -18,6 +18,12 @@ Failures (torchft 0.2.0 behaviour, see ``docs/elastic.md``):
 - a failed exchange is reported with :meth:`commit` *after* the round's collectives: torchft turns the
   collectives of an errored manager into no-ops, which would leave the peers waiting for the timeout.
 
+Every service a worker starts (torchft's manager server, the process group's store, gloo's
+listener, the state-transfer server) listens on ``endpoint.bind`` (127.0.0.1 unless the caller names
+another address) and is advertised as ``endpoint.advertise``. A heal never unpickles: peer state
+travels through :class:`~gasloc_lightning.comm.state_transfer.AuthenticatedStateTransport` (the run's
+secret, ``weights_only=True``), never through torchft's ``HTTPTransport``.
+
 Nothing here imports Lightning.
 """
 
@@ -28,11 +34,14 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
+
+from gasloc_lightning.comm.endpoints import Endpoint
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs ~10 INFO lines per round otherwise
 
@@ -44,6 +53,10 @@ LoadStateDictFn = Callable[[dict[str, Any]], None]
 
 class MembershipError(RuntimeError):
     """The lighthouse or the quorum could not be reached in time."""
+
+
+class SurplusWorkerError(MembershipError):
+    """This worker was past ``max_workers`` in a quorum and left the run."""
 
 
 def lighthouse_url(address: str) -> str:
@@ -107,6 +120,14 @@ class Quorum:
         return [member.split(":")[0] for member in self.members]
 
 
+class _RefusedPeerState(Exception):
+    """``load_state_dict`` refused a peer's state: carried through torchft unchanged, raised again as is."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _QuorumRecorder:
     """Stands in for the Manager's client and keeps the last ``QuorumResult`` (the Manager drops its ``replica_ids``)."""
 
@@ -141,6 +162,13 @@ class ElasticMembership:
         first_quorum_delay: seconds between registering and asking for the first quorum, so that workers started
             together are all heartbeating when it forms (the lighthouse then waits for every heartbeating worker,
             up to its join timeout; without the delay the first ``min_workers`` to ask form it alone).
+        max_workers: the largest quorum this worker trains in (``None``: no limit). In a larger quorum the members
+            sorted past ``max_workers`` are surplus: they leave with :class:`SurplusWorkerError`, and the others
+            treat that quorum as unusable (no exchange) and go on in the next one.
+        endpoint: the address every service of this worker listens on and advertises (default: 127.0.0.1).
+        secret: the run's secret: a peer's state is only sent to, and taken from, members that know it.
+        start_step: the round count this worker resumes at (from its own checkpoint): a worker is healed only if a
+            peer is further, so workers resumed at the same round keep their own replicas.
     """
 
     def __init__(
@@ -157,6 +185,10 @@ class ElasticMembership:
         transfer_timeout: float = 60.0,
         heartbeat_interval: float = 0.1,
         first_quorum_delay: float = 0.0,
+        max_workers: int | None = None,
+        endpoint: Endpoint | None = None,
+        secret: bytes,
+        start_step: int = 0,
     ) -> None:
         self._url = lighthouse_url(lighthouse)
         if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
@@ -176,61 +208,110 @@ class ElasticMembership:
         if not isinstance(first_quorum_delay, (int, float)) or isinstance(first_quorum_delay, bool) or first_quorum_delay < 0:
             raise ValueError(f"first_quorum_delay must be a number of seconds >= 0, got {first_quorum_delay!r}")
         self.first_quorum_delay = float(first_quorum_delay)
+        if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int)
+                                        or max_workers < min_workers):
+            raise ValueError(f"max_workers must be None or an int >= min_workers={min_workers}, got {max_workers!r}")
+        if not isinstance(secret, bytes) or not secret:
+            raise ValueError("secret must be non-empty bytes (the run's secret; see docs/security.md)")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
+        self.max_workers, self.start_step = max_workers, start_step
+        self.endpoint = endpoint if endpoint is not None else Endpoint()
+        self._secret = secret
         self._manager: Any = None
+        self._transport: Any = None
+        self._pg: Any = None
         self._store: Any = None
         self._recorder: _QuorumRecorder | None = None
         self._quorum: Quorum | None = None
         self._healed = False
+        self._waiting = False
         self.membership_changes = 0
 
     # ------------------------------------------------------------------ life cycle
     def connect(self) -> None:
-        """Start this worker's manager and register with the lighthouse (:class:`MembershipError` if unreachable)."""
-        from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
+        """Start this worker's services on its endpoint and register with the lighthouse.
 
-        host = socket.gethostname()
-        # The quorum's first member's store is the rendezvous of the reconfigured process group.
-        self._store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=self.transfer_timeout))
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=self.gossip_timeout))
+        :class:`MembershipError` if the lighthouse is unreachable; whatever was started is stopped again.
+        """
         try:
-            self._manager = Manager(
-                pg=pg, load_state_dict=self._apply_peer_state, state_dict=self._state_dict,
-                min_replica_size=self.min_workers, use_async_quorum=False,
-                timeout=timedelta(seconds=self.transfer_timeout),
-                quorum_timeout=timedelta(seconds=self.quorum_timeout),
-                connect_timeout=timedelta(seconds=self.connect_timeout),
-                rank=0, world_size=1, store_addr=host, store_port=self._store.port,
-                lighthouse_addr=self._url, replica_id=self.name,
-                heartbeat_interval=timedelta(seconds=self.heartbeat_interval),
-                init_sync=True,  # founders too take the first member's state: one start, and a signature check
-            )
+            self._start_services()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_services(self) -> None:
+        from torchft import Manager
+
+        from gasloc_lightning.comm.endpoints import BoundProcessGroupGloo, bound_manager_server, listening_store
+        from gasloc_lightning.comm.state_transfer import AuthenticatedStateTransport
+
+        endpoint = self.endpoint
+        # The quorum's first member's store is the rendezvous of the reconfigured process group.
+        self._store = listening_store(endpoint, timeout=self.transfer_timeout)
+        self._pg = BoundProcessGroupGloo(endpoint=endpoint, timeout=timedelta(seconds=self.gossip_timeout))
+        self._transport = AuthenticatedStateTransport(
+            bind=endpoint.bind, advertise=endpoint.advertised, secret=self._secret, timeout=self.transfer_timeout)
+        try:
+            with bound_manager_server(endpoint):
+                self._manager = Manager(
+                    pg=self._pg, load_state_dict=self._apply_peer_state, state_dict=self._state_dict,
+                    min_replica_size=self.min_workers, use_async_quorum=False,
+                    timeout=timedelta(seconds=self.transfer_timeout),
+                    quorum_timeout=timedelta(seconds=self.quorum_timeout),
+                    connect_timeout=timedelta(seconds=self.connect_timeout),
+                    rank=0, world_size=1, store_addr=endpoint.advertised, store_port=self._store.port,
+                    hostname=endpoint.advertised_host, lighthouse_addr=self._url, replica_id=self.name,
+                    heartbeat_interval=timedelta(seconds=self.heartbeat_interval),
+                    checkpoint_transport=self._transport,
+                    init_sync=True,  # founders too take the first member's state: one start, and a signature check
+                )
         except RuntimeError as error:
             raise MembershipError(
                 f"{self.name}: could not reach the lighthouse at {self._url} within connect_timeout="
                 f"{self.connect_timeout:g}s (is it running? check --lighthouse / elastic.lighthouse): {error}"
             ) from error
+        # A resumed worker counts its own rounds: it is healed only by a peer that is further.
+        self._manager.load_state_dict({"step": self.start_step, "batches_committed": 0})
         self._recorder = _QuorumRecorder(self._manager._client)  # torchft keeps no member list: record it
         self._manager._client = self._recorder
 
     def shutdown(self) -> None:
-        """Stop heartbeating and serving; the lighthouse drops this worker after its heartbeat timeout."""
-        if self._manager is not None:
-            self._manager.shutdown(wait=False)
-            self._manager = None
+        """Stop heartbeating and every service this worker started (idempotent); the lighthouse drops it after
+        its heartbeat timeout."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)  # the state transport, the manager server, the quorum thread
+        if self._transport is not None:
+            self._transport.shutdown(wait=True)  # torchft 0.2.0's shutdown(wait=False) leaves a server running
+            self._transport = None
+        if self._pg is not None:
+            _release_process_group(self._pg)
+            self._pg = None
+        self._store = None  # the last reference: the store's server closes its socket
+
+    def leave(self) -> None:
+        """Leave the run cleanly after a committed round: stop heartbeating, so the next quorum forms without this
+        worker (after the lighthouse's heartbeat timeout) and no peer exchanges with it again."""
+        log.info("leaving worker=%s round=%s", self.name, None if self._quorum is None else self._quorum.max_step)
+        self.shutdown()
 
     # ------------------------------------------------------------------ quorum
     def start_quorum(self) -> Quorum:
         """Wait for the next quorum of at least ``min_workers`` (healing from a peer if this worker is behind).
 
         A smaller quorum (the lighthouse's ``min_replicas`` may be lower) is not trained in: this worker
-        asks again until ``quorum_timeout`` has passed, then raises :class:`MembershipError`.
+        asks again until ``quorum_timeout`` has passed, then raises :class:`MembershipError`. A quorum larger than
+        ``max_workers`` is unusable (see the argument); a surplus member raises :class:`SurplusWorkerError`.
         """
+        with self._waiting_for_quorum():
+            return self._wait_for_quorum()
+
+    def _wait_for_quorum(self) -> Quorum:
         deadline = time.monotonic() + self.quorum_timeout
         healed = False
         while True:
-            quorum = self._next_quorum(max(0.1, deadline - time.monotonic()))
+            quorum = self._limit_size(self._next_quorum(deadline))
             healed = healed or quorum.healed  # a heal in a quorum too small to train in still happened
             if quorum.size >= self.min_workers:
                 return replace(quorum, healed=healed)
@@ -239,12 +320,42 @@ class ElasticMembership:
             self._log_waiting()
             time.sleep(0.2)
 
+    @contextmanager
+    def _waiting_for_quorum(self) -> Iterator[None]:
+        outer, self._waiting = self._waiting, True
+        try:
+            yield
+        finally:
+            self._waiting = outer
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this worker is waiting for a quorum (no round of its own is in progress)."""
+        return self._waiting
+
+    def _limit_size(self, quorum: Quorum) -> Quorum:
+        """Enforce ``max_workers``: gamma was checked for the sizes up to it, no further."""
+        if self.max_workers is None or quorum.size <= self.max_workers:
+            return quorum
+        if quorum.index >= self.max_workers:
+            self.leave()
+            raise SurplusWorkerError(
+                f"{self.name}: the quorum has {quorum.size} workers, more than max_workers={self.max_workers}, and this "
+                f"worker is surplus (index {quorum.index} of {','.join(quorum.names)}); it leaves. Raise max_workers "
+                "(elastic.max_workers) on every worker to train with more."
+            )
+        error = MembershipError(f"quorum of {quorum.size} workers exceeds max_workers={self.max_workers}: "
+                                "its surplus members leave, this round exchanges nothing")
+        log.warning("oversized quorum worker=%s size=%d max_workers=%d", self.name, quorum.size, self.max_workers)
+        return replace(quorum, error=error)
+
     def join(self) -> Quorum:
         """The first quorum this worker trains in: like :meth:`start_quorum`, but an unusable one (a member died
         while it formed, so this worker may not have received a peer's state) is reported and asked again,
         instead of training a round from this worker's own start. :class:`MembershipError` after ``quorum_timeout``.
         """
-        time.sleep(self.first_quorum_delay)  # heartbeating meanwhile: see the argument's doc
+        with self._waiting_for_quorum():
+            time.sleep(self.first_quorum_delay)  # heartbeating meanwhile: see the argument's doc
         deadline = time.monotonic() + self.quorum_timeout
         quorum = self.start_quorum()
         healed = quorum.healed
@@ -253,12 +364,28 @@ class ElasticMembership:
                 raise MembershipError(f"{self.name}: no usable quorum to join within quorum_timeout="
                                       f"{self.quorum_timeout:g}s (the last failed with: {quorum.error})")
             log.info("joining again worker=%s (the quorum failed as it formed)", self.name)
-            self.commit(quorum.max_step if healed else 0, quorum.error)
+            self.commit(quorum.max_step if healed else self.start_step, quorum.error)
             quorum = self.start_quorum()
             healed = healed or quorum.healed
         return replace(quorum, healed=healed)
 
-    def _next_quorum(self, timeout: float) -> Quorum:
+    def _next_quorum(self, deadline: float) -> Quorum:
+        """One quorum from the lighthouse; a failed request (a timeout or any other error) is asked again until
+        ``deadline``, then :class:`MembershipError` says why."""
+        while True:
+            try:
+                return self._ask_quorum(max(0.1, deadline - time.monotonic()))
+            except _RefusedPeerState as refused:  # this worker refused to join: not a quorum failure
+                raise refused.error from refused.error.__cause__
+            except Exception as error:  # noqa: BLE001 - torchft raises RuntimeError, TimeoutError, ...
+                self._require_manager()._quorum_future = None  # torchft re-raises a failed quorum forever otherwise
+                if time.monotonic() >= deadline:
+                    raise self._quorum_error(error) from error
+                log.warning("quorum request failed worker=%s error=%s (asking again)", self.name,
+                            str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
+                time.sleep(0.2)
+
+    def _ask_quorum(self, timeout: float) -> Quorum:
         manager = self._require_manager()
         self._healed = False
         waiting = threading.Timer(min(2.0, timeout / 4), self._log_waiting)
@@ -266,13 +393,10 @@ class ElasticMembership:
         waiting.start()
         try:
             manager.start_quorum(timeout=timedelta(seconds=timeout))
-        except TimeoutError as error:
-            manager._quorum_future = None  # torchft re-raises a failed quorum forever otherwise
-            raise self._quorum_error(error) from error
         finally:
             waiting.cancel()
         if self._recorder.last is None:
-            raise MembershipError(f"{self.name}: quorum failed: {manager.errored().original_exception}")
+            raise RuntimeError(f"quorum failed: {manager.errored().original_exception}")
         return self._record_quorum()
 
     def _log_waiting(self) -> None:
@@ -285,7 +409,10 @@ class ElasticMembership:
                 f"{self.name}: the lighthouse at {self._url} stopped answering (it died or is unreachable); "
                 f"no quorum within quorum_timeout={self.quorum_timeout:g}s"
             )
-        return self._too_few_error(str(error))
+        if isinstance(error, TimeoutError) or "timed out" in str(error).lower():
+            return self._too_few_error(str(error))
+        return MembershipError(f"{self.name}: no quorum within quorum_timeout={self.quorum_timeout:g}s "
+                               f"(lighthouse {self._url}); the last request failed with: {error}")
 
     def _too_few_error(self, detail: str) -> MembershipError:
         return MembershipError(
@@ -311,7 +438,10 @@ class ElasticMembership:
         return quorum
 
     def _apply_peer_state(self, state: dict[str, Any]) -> None:
-        self._load_state_dict(state)
+        try:
+            self._load_state_dict(state)
+        except Exception as error:
+            raise _RefusedPeerState(error) from error
         self._healed = True
 
     def commit(self, round_index: int, error: Exception | None = None) -> None:
@@ -351,3 +481,12 @@ class ElasticMembership:
     def connected(self) -> bool:
         """Between :meth:`connect` and :meth:`shutdown`."""
         return self._manager is not None
+
+
+def _release_process_group(pg: Any) -> None:
+    """Close the reconfigurable gloo group: gloo releases its listener, connections and threads only with the
+    backend's last reference, which ``close()`` drops."""
+    try:
+        pg.close()
+    except Exception as error:  # noqa: BLE001 - an unconfigured group has nothing to close
+        log.debug("process group close: %s", error)

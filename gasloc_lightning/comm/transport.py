@@ -36,6 +36,8 @@ class PendingExchange:
     received: list[tuple[float, Tensor]] = field(default_factory=list)
     # Simulated clocks sent with the payload (float64, so both ends compute the same times).
     peer_clocks: dict[int, Tensor] = field(default_factory=dict)
+    # time.monotonic() by which every peer's send and receive must be done (elastic: one deadline per exchange).
+    deadline: float | None = None
 
     def peer_clock_values(self) -> dict[int, float]:
         return {peer: float(clock.item()) for peer, clock in self.peer_clocks.items()}

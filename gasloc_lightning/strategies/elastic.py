@@ -27,6 +27,16 @@ or hyperparameters differ from its peer's refuses itself with :class:`ElasticJoi
 workers lose at most that round's share with it. Consensus evaluation and the end-of-fit average are
 all-reduces over the live quorum (a failed one evaluates the local replica instead).
 
+A worker that gets SIGTERM (a spot preemption notice, or ``gasloc-elastic`` stopping) *leaves*: it finishes
+its current round (exchange included) and commits it, stops heartbeating (the next quorum forms without it, so
+no peer records a failed exchange), skips the end-of-fit average and ends its fit with its own replica, which the
+app checkpoints. If the round does not end within ``leave_grace_s``, or the signal falls while the worker waits
+for a quorum, it abandons the round at once (:class:`ElasticLeave`).
+
+A peer's state is taken only from members that know the run's secret, is loaded without unpickling
+(:mod:`gasloc_lightning.comm.wire`), and is checked against this worker's own (names, shapes, dtypes, finite
+values) before it replaces anything.
+
 Elastic DiLoCo is the same engine with ``topology="complete"`` (an all-reduce over the quorum; exactly
 DiLoCo's outer Nesterov step, see ``docs/algorithm.md`` section 2): :class:`ElasticDiLoCoStrategy`.
 """
@@ -34,31 +44,43 @@ DiLoCo's outer Nesterov step, see ``docs/algorithm.md`` section 2): :class:`Elas
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.outer import OuterState, mix
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
-from gasloc_lightning.comm.membership import ElasticMembership, Quorum
+from gasloc_lightning.comm.endpoints import Endpoint
+from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum
+from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
+from gasloc_lightning.strategies.callbacks import GASLoCCallback
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ElasticDiLoCoStrategy", "ElasticGASLoCStrategy", "ElasticJoinError", "ElasticMetricsCallback"]
+__all__ = ["ElasticDiLoCoStrategy", "ElasticGASLoCStrategy", "ElasticJoinError", "ElasticLeave",
+           "ElasticMetricsCallback"]
 
 # Where a member is when the next quorum forms (sent to joiners with the state, so they do what it does next).
 _START, _TRAIN, _VALIDATE, _AVERAGE = "start", "train", "validate", "average"
 
 
 class ElasticJoinError(RuntimeError):
-    """A joining worker's model or hyperparameters differ from the running workers'."""
+    """A joining worker's model or hyperparameters differ from the running workers', or a peer's state is unsafe."""
+
+
+class ElasticLeave(RuntimeError):
+    """SIGTERM made this worker abandon its round (its grace ran out, or it was waiting for a quorum)."""
 
 
 class ElasticGASLoCStrategy(GASLoCStrategy):
@@ -85,6 +107,13 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             exceed the time a joiner takes to receive and load a peer's state (the first collective after a
             join waits for it).
         outer_momentum: gamma; ``None`` takes the smallest topology default over the allowed quorum sizes.
+        bind: the local address every service of this worker listens on (default 127.0.0.1: nothing is reachable
+            from another machine). Several machines: this machine's address on the private network.
+        advertise: the address peers use to reach this worker (default: ``bind``).
+        secret: the run's secret, shared by every worker; ``None`` reads the environment variable
+            ``GASLOC_ELASTIC_SECRET`` (``gasloc-elastic`` sets it). Never logged.
+        leave_grace_s: seconds after SIGTERM within which this worker finishes its round before it leaves; past
+            them it abandons the round.
         **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
             ``ranks_per_worker > 1`` are not supported in the elastic mode).
     """
@@ -104,6 +133,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         heartbeat_interval: float = 0.1,
         first_quorum_delay: float = 0.0,
         gossip_timeout: float = 30.0,
+        bind: str = "127.0.0.1",
+        advertise: str | None = None,
+        secret: str | None = None,
+        leave_grace_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
         _check_int("min_workers", min_workers, 1)
@@ -116,16 +149,27 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             raise ValueError(f"{type(self).__name__} sends float32 messages: message_dtype must be 'float32'")
         if kwargs.get("ranks_per_worker", 1) != 1:
             raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
+        if not isinstance(leave_grace_s, (int, float)) or isinstance(leave_grace_s, bool) or leave_grace_s < 0:
+            raise ValueError(f"leave_grace_s must be a number of seconds >= 0, got {leave_grace_s!r}")
+        key = run_secret(secret)
+        if key is None:
+            raise ValueError("secret: the run's secret is missing: pass secret=... or set the environment variable "
+                             "GASLOC_ELASTIC_SECRET on every worker (gasloc-elastic does it; see docs/security.md)")
         super().__init__(gossip_timeout=gossip_timeout, **kwargs)
         self._min_workers, self._max_workers = min_workers, max_workers
+        self._leave_grace_s = float(leave_grace_s)
         self._membership_args = dict(
-            lighthouse=lighthouse, worker_id=worker_id, min_workers=min_workers, connect_timeout=connect_timeout,
-            quorum_timeout=quorum_timeout, gossip_timeout=gossip_timeout, transfer_timeout=transfer_timeout,
-            heartbeat_interval=heartbeat_interval, first_quorum_delay=first_quorum_delay,
+            lighthouse=lighthouse, worker_id=worker_id, min_workers=min_workers, max_workers=max_workers,
+            connect_timeout=connect_timeout, quorum_timeout=quorum_timeout, gossip_timeout=gossip_timeout,
+            transfer_timeout=transfer_timeout, heartbeat_interval=heartbeat_interval,
+            first_quorum_delay=first_quorum_delay, endpoint=Endpoint(bind=bind, advertise=advertise), secret=key,
         )
         ElasticMembership(**self._membership_args, state_dict=dict, load_state_dict=print)  # validates the args
         self._membership: ElasticMembership | None = None
         self._healed_rounds: list[int] = []
+        self._leave_requested_at: float | None = None  # when SIGTERM arrived
+        self._left = False  # this worker left the run (its replica is its own from then on)
+        self._previous_sigterm: Any = None
         self._reset_boundary_state()
 
     def _reset_boundary_state(self) -> None:
@@ -174,6 +218,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         return self._min_workers
 
     @property
+    def left(self) -> bool:
+        """Whether this worker left the run after SIGTERM (cleanly, at a round's end)."""
+        return self._left
+
+    @property
     def max_workers(self) -> int:
         return self._max_workers
 
@@ -212,11 +261,15 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         super().on_train_start()
         self._check_trainer(self.lightning_module.trainer)
         self._reset_boundary_state()
+        self._left, self._leave_requested_at = False, None
         self._membership = ElasticMembership(
-            **self._membership_args, state_dict=self._peer_state, load_state_dict=self._take_peer_state
+            **self._membership_args, state_dict=self._peer_state, load_state_dict=self._take_peer_state,
+            start_step=self.round_index,  # a resumed worker keeps its replica unless a peer is further
         )
         self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
-        log.info("joining lighthouse=%s worker_id=%d", self._membership.lighthouse, self._membership.worker_id)
+        self._listen_for_sigterm()
+        log.info("joining lighthouse=%s worker_id=%d round=%d bind=%s", self._membership.lighthouse,
+                 self._membership.worker_id, self.round_index, self._membership.endpoint.bind)
         self._membership.connect()
         if self._membership.join().healed:
             self._follow_peer(_START)
@@ -225,6 +278,12 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         """Members must validate at the same global steps (the consensus evaluation is a collective over the
         quorum), and a healed worker's step counters are moved to the quorum's, one batch per step."""
         name = type(self).__name__
+        if any(isinstance(cb, Timer) for cb in trainer.callbacks):
+            raise ValueError(f"{name} stops every member at the same global step: max_time (a Timer) would stop them "
+                             "at different steps; give max_steps instead")
+        if not trainer.max_steps or trainer.max_steps < 1:
+            raise ValueError(f"{name} stops every member at the same global step: set max_steps (got "
+                             f"{trainer.max_steps})")
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(f"{name} counts one batch per optimizer step: accumulate_grad_batches must be 1, "
                              f"got {trainer.accumulate_grad_batches}")
@@ -242,17 +301,29 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             )
 
     def _signature(self) -> dict[str, Any]:
-        """What every member of a run must share: the model's exchanged tensors and the hyperparameters."""
+        """What every member of a run must share: the model's exchanged tensors, the hyperparameters, and
+        everything that decides when a collective runs (so one worker's validation mean can never pair with
+        another's round all-reduce of the same size)."""
         trainer = self.lightning_module.trainer
         optimizer = self.optimizers[0]
         group = optimizer.param_groups[0]
+        callback = next((cb for cb in trainer.callbacks if isinstance(cb, GASLoCCallback)), None)
         return {
             "model": [self.layout.signature_digest(), self.layout.numel],
             "inner_steps": self.round_length, "outer_lr": self._outer_lr, "outer_momentum": self.outer_momentum,
             "outer_form": self._outer_form, "topology": self._topology.name, "seed": self._topology.seed,
-            "max_steps": trainer.max_steps, "optimizer": type(optimizer).__name__,
+            "optimizer": type(optimizer).__name__,
             "optimizer_hyperparameters": {k: _plain(group[k]) for k in sorted(group)
                                           if k not in ("params", "lr") and not isinstance(group[k], Tensor)},
+            # when collectives run: stop conditions, validation schedule, consensus measurements, quorum sizes
+            "max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs, "min_steps": trainer.min_steps,
+            "limit_train_batches": _plain(trainer.limit_train_batches),
+            "val_check_interval": _plain(trainer.val_check_interval),
+            "limit_val_batches": _plain(trainer.limit_val_batches) if trainer.enable_validation else 0,
+            "consensus_every": self._consensus_every, "min_workers": self._min_workers,
+            "max_workers": self._max_workers,
+            "evaluate": None if callback is None else [callback.evaluate, callback.average_at_end,
+                                                       callback.local_loss_name],
         }
 
     def _peer_state(self) -> dict[str, Any]:
@@ -276,7 +347,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         return self._boundary == _AVERAGE or 0 < trainer.max_steps <= trainer.global_step
 
     def _take_peer_state(self, state: dict[str, Any]) -> None:
-        self._refuse_if_different(state["signature"])
+        self._check_peer_state(state)
         self.layout.scatter(state["live"].to(self.layout.device))
         self.load_strategy_state_dict(state["strategy"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
@@ -286,6 +357,37 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._source = dict(state["boundary"])
         self._healed_rounds.append(self.round_index)
         log.info("took a peer's state worker=%s round=%d", self.membership.name, self.round_index)
+
+    def _check_peer_state(self, state: Any) -> None:
+        """Nothing of a peer's state replaces this worker's until it is shown to be this run's: only tensors and
+        plain data (already loaded without unpickling), finite, the same signature, this model's exchanged tensors,
+        the outer state's tensors, and optimizer state shaped like this worker's parameters."""
+        try:
+            check_plain(state, path="peer")
+            if not isinstance(state, dict) or set(state) != _PEER_STATE_KEYS:
+                raise UnsafePayloadError(f"peer: keys {sorted(state) if isinstance(state, dict) else type(state)} "
+                                         f"expected {sorted(_PEER_STATE_KEYS)}")
+            self._refuse_if_different(state["signature"])
+            check_like(state["live"], self.layout.read(), path="peer.live")
+            self._check_like_own_strategy(state["strategy"])
+            for index, (optimizer, received) in enumerate(zip(self.optimizers, state["optimizers"], strict=True)):
+                _check_optimizer_state(received, optimizer, f"peer.optimizers.{index}")
+            if len(state["schedulers"]) != len(self.lr_scheduler_configs):
+                raise UnsafePayloadError(f"peer.schedulers: {len(state['schedulers'])} expected "
+                                         f"{len(self.lr_scheduler_configs)}")
+        except (UnsafePayloadError, ValueError, KeyError, TypeError) as error:
+            raise ElasticJoinError(f"{self.membership.name} refused a peer's state (nothing was applied): "
+                                   f"{error}") from error
+
+    def _check_like_own_strategy(self, received: Any) -> None:
+        mine = self.strategy_state_dict()
+        mine.pop("counters", None)
+        if not isinstance(received, dict) or set(received) != set(mine):
+            raise UnsafePayloadError(f"peer.strategy: keys {sorted(received) if isinstance(received, dict) else '?'} "
+                                     f"expected {sorted(mine)}")
+        for key in ("outer", "round_start_buffers"):  # the model-size tensors it carries
+            if mine[key] is not None and received[key] is not None:
+                check_like(received[key], mine[key], path=f"peer.strategy.{key}")
 
     def _refuse_if_different(self, theirs: dict[str, Any]) -> None:
         mine = self._signature()
@@ -349,6 +451,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._abandon_if_grace_is_over()
         self._start_due_quorum(_TRAIN)
 
     @override
@@ -364,10 +467,32 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     @override
     def average_replicas(self) -> None:
-        if self._finished:
+        """The end-of-fit average over the live quorum, retried over the survivors (a new quorum each time) until
+        it succeeds or no quorum forms within ``quorum_timeout``; a worker that left keeps its own replica."""
+        if self._finished or self._left:
             return
         self._start_due_quorum(_AVERAGE)
-        super().average_replicas()
+        deadline = time.monotonic() + self.membership.quorum_timeout
+        while True:
+            failures = self.failed_collectives
+            super().average_replicas()
+            if self.failed_collectives == failures or not self._membership_connected():
+                return
+            if time.monotonic() >= deadline or not self._regroup_for_average():
+                log.warning("end-of-fit average failed worker=%s: this worker keeps its own replica",
+                            self.membership.name)
+                return
+
+    def _regroup_for_average(self) -> bool:
+        """After a failed end-of-fit average (a member died in it): a new quorum of the survivors."""
+        log.warning("end-of-fit average failed worker=%s: averaging again over the survivors", self.membership.name)
+        self.membership.commit(self.round_index, self._transport.take_error())
+        try:
+            self.membership.start_quorum()
+        except MembershipError as error:
+            log.warning("no quorum for the end-of-fit average worker=%s: %s", self.membership.name, error)
+            return False
+        return True
 
     # ------------------------------------------------------------------ the round
     @override
@@ -406,9 +531,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         backup = self._transport.receive_buffer(0)
         backup.copy_(message)
         try:
-            self._transport.all_reduce_mean(message)
+            self._transport.all_reduce_mean(message, round_exchange=True)
         except ElasticCollectiveError as error:
-            self._transport.failed_exchanges += 1
             log.warning("all-reduce round failed round=%d: %s (own point kept)", self.round_index, error)
             message.copy_(backup)
 
@@ -417,6 +541,42 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         super().end_round()
         self.membership.commit(self.round_index, self._transport.take_error())
         self._quorum_due = True  # formed at the next boundary (see the module docstring)
+        if self._leave_requested_at is not None:
+            self._leave()
+
+    # ------------------------------------------------------------------ leaving (SIGTERM)
+    def _listen_for_sigterm(self) -> None:
+        """For this fit, SIGTERM means "leave after this round" (Lightning's own handler would stop mid-round and
+        fail the peers' exchange). The handler found here is put back at teardown."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._leave_requested_at is None:
+            self._leave_requested_at = time.monotonic()
+            log.warning("SIGTERM worker=%s: leaving after this round (leave_grace_s=%g)",
+                        self._membership.name if self._membership else "?", self._leave_grace_s)
+        if self._membership is not None and self._membership.waiting:  # no round to finish: nobody waits on us
+            raise ElasticLeave("SIGTERM while waiting for a quorum: left without a round to finish")
+
+    def _abandon_if_grace_is_over(self) -> None:
+        if self._leave_requested_at is None or time.monotonic() - self._leave_requested_at <= self._leave_grace_s:
+            return
+        raise ElasticLeave(f"SIGTERM {self._leave_grace_s:g}s ago (leave_grace_s) and round {self.round_index} has "
+                           "not ended: this worker abandons it (its peers count a failed exchange)")
+
+    def _leave(self) -> None:
+        """Right after a committed round: stop heartbeating and stop the fit; this worker keeps its own replica."""
+        self._left, self._quorum_due = True, False
+        self.membership.leave()
+        self.lightning_module.trainer.should_stop = True
+        log.info("left worker=%s round=%d step=%d", self.membership.name, self.round_index,
+                 self.lightning_module.trainer.global_step)
+
+    def _restore_sigterm_handler(self) -> None:
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._previous_sigterm = None
 
     # ------------------------------------------------------------------ consensus over the quorum
     @override
@@ -459,6 +619,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     @override
     def teardown(self) -> None:
+        self._restore_sigterm_handler()
         if self._membership is not None:
             self._membership.shutdown()
         self._reset_boundary_state()  # a later validate/test evaluates locally and forms no quorum
@@ -501,6 +662,30 @@ class ElasticMetricsCallback(Callback):
             "comm/failed_exchanges": float(strategy.failed_exchanges),
             "comm/failed_collectives": float(strategy.failed_collectives),
         }, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+_PEER_STATE_KEYS = frozenset({"signature", "live", "strategy", "optimizers", "schedulers", "boundary"})
+
+
+def _check_optimizer_state(received: Any, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """A peer's ``optimizer.state_dict()``: this optimizer's groups and parameters, and per-parameter tensors that
+    are scalars (a step count) or shaped like the parameter."""
+    mine = optimizer.state_dict()
+    if not isinstance(received, dict) or set(received) != set(mine):
+        raise UnsafePayloadError(f"{path}: keys expected {sorted(mine)}")
+    groups = received["param_groups"]
+    if len(groups) != len(mine["param_groups"]) or any(
+            list(theirs.get("params", ())) != list(own["params"]) for theirs, own in zip(groups, mine["param_groups"])):
+        raise UnsafePayloadError(f"{path}.param_groups: parameter indices differ from this worker's")
+    shapes = {index: param.shape for group, own in zip(optimizer.param_groups, mine["param_groups"])
+              for index, param in zip(own["params"], group["params"])}
+    for index, entry in received["state"].items():
+        if index not in shapes or not isinstance(entry, dict):
+            raise UnsafePayloadError(f"{path}.state.{index}: no such parameter")
+        for name, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() and value.shape != shapes[index]:
+                raise UnsafePayloadError(f"{path}.state.{index}.{name}: shape {tuple(value.shape)} expected "
+                                         f"{tuple(shapes[index])}")
 
 
 def _cloned(value: Any) -> Any:

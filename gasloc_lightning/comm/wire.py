@@ -1,0 +1,224 @@
+"""What the network may hand us: the one place that turns received bytes into state, and the run's secret.
+
+A peer's state (a heal) arrives as bytes. :func:`load_state` loads them with ``torch.load(weights_only=True)``
+onto the CPU, so a payload never runs code: a crafted pickle is refused with :class:`UnsafePayloadError`,
+whoever signed it. Two checks then look at what was built:
+
+- :func:`check_plain`: only dicts, lists and tuples of tensors and plain data (None, bool, int, float, str)
+  anywhere, with plain keys;
+- :func:`check_like`: the exact structure of a reference this worker built itself (same keys, list lengths,
+  tensor shapes and dtypes, finite floating tensors). The caller decides which subtrees it compares
+  (e.g. the model's tensors always; an optimizer that has not stepped yet has no state to compare with).
+
+:func:`sign` and :func:`verify` are the HMAC-SHA256 that tells members of a run (they know its secret, from
+:func:`run_secret`) from anyone else who can reach a port. Nothing here imports Lightning or torchft.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import os
+import secrets
+import zipfile
+from typing import Any
+
+import torch
+
+SECRET_ENV = "GASLOC_ELASTIC_SECRET"
+PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
+class UnsafePayloadError(ValueError):
+    """Received bytes are not a state this worker may take: unsigned, unsafe to load, or off-shape."""
+
+
+# ------------------------------------------------------------------ payloads
+def dump_state(state: Any) -> bytes:
+    """``torch.save`` of ``state`` into bytes (tensors on any device; :func:`load_state` loads to CPU)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def load_state(payload: bytes, *, max_bytes: int | None = None) -> Any:
+    """Load bytes made by :func:`dump_state` without running any code they carry.
+
+    Args:
+        payload: the received bytes.
+        max_bytes: refuse payloads longer than this (None: no limit).
+
+    Raises:
+        UnsafePayloadError: too long, not a plain (uncompressed) torch archive, or holding objects that
+            ``weights_only=True`` refuses (a pickle that would run code).
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise UnsafePayloadError(f"payload must be bytes, got {type(payload).__name__}")
+    if max_bytes is not None and len(payload) > max_bytes:
+        raise UnsafePayloadError(f"payload of {len(payload)} bytes exceeds max_bytes={max_bytes}")
+    _check_archive(payload)
+    try:
+        return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+    except Exception as error:  # UnpicklingError for a crafted pickle, RuntimeError for a torn archive...
+        first = (str(error).splitlines() or [""])[0]
+        raise UnsafePayloadError(f"payload refused by torch.load(weights_only=True): "
+                                 f"{type(error).__name__}: {first}") from error
+
+
+def _check_archive(payload: bytes) -> None:
+    # torch.save writes stored (uncompressed) zip entries; a deflated entry could inflate far past the
+    # payload's size inside torch.load, so only an archive that cannot grow is handed to it.
+    try:
+        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError) as error:
+        raise UnsafePayloadError(f"payload is not a torch archive: {error}") from error
+    if any(entry.compress_type != zipfile.ZIP_STORED for entry in entries):
+        raise UnsafePayloadError("payload holds compressed entries; torch.save writes none")
+    if sum(entry.file_size for entry in entries) > len(payload):
+        raise UnsafePayloadError("payload's entries claim more bytes than it holds")
+
+
+# ------------------------------------------------------------------ structure checks
+def check_plain(state: Any, *, path: str = "state", finite: bool = True) -> None:
+    """Check that ``state`` holds only dicts, lists and tuples of tensors and plain data.
+
+    Args:
+        state: a loaded state.
+        path: the name of ``state`` in error messages.
+        finite: also require floating tensors to be finite. Plain floats may be infinite either way
+            (``ReduceLROnPlateau`` keeps ``mode_worse=inf``).
+
+    Raises:
+        UnsafePayloadError: naming the first offending path.
+    """
+    for leaf_path, leaf in _leaves(state, path):
+        _check_leaf(leaf_path, leaf, finite)
+
+
+def check_like(received: Any, reference: Any, *, path: str = "state", finite: bool = True) -> None:
+    """Check that ``received`` has the exact structure of ``reference``, a state this worker built itself.
+
+    Same dict keys, list and tuple lengths; tensors where the reference has tensors, with the same shape
+    and dtype; plain data where it has plain data (values and their types may differ: a learning rate may be
+    an int on one worker and a float on another).
+
+    Args:
+        received: the state a peer sent (already through :func:`load_state`).
+        reference: the local state of the same shape.
+        path: the name of ``received`` in error messages, e.g. ``"user.default.live"``.
+        finite: also require received floating tensors to be finite.
+
+    Raises:
+        UnsafePayloadError: naming the first differing path,
+            e.g. ``user.default.live: shape (10,) expected (12,)``.
+    """
+    stack = [(path, received, reference)]
+    while stack:
+        here, got, want = stack.pop()
+        _check_same_kind(here, got, want)
+        if isinstance(want, dict):
+            stack.extend((f"{here}.{key}", got[key], want[key]) for key in reversed(list(want)))
+        elif isinstance(want, (list, tuple)):
+            stack.extend((f"{here}.{index}", got[index], want[index]) for index in reversed(range(len(want))))
+        else:
+            _check_leaf(here, got, finite)
+
+
+def _check_same_kind(path: str, got: Any, want: Any) -> None:
+    if isinstance(want, dict):
+        if not isinstance(got, dict):
+            raise UnsafePayloadError(f"{path}: {type(got).__name__} expected a dict")
+        missing, extra = [k for k in want if k not in got], [k for k in got if k not in want]
+        if missing or extra:
+            raise UnsafePayloadError(f"{path}: keys differ, missing {missing[:5]} unexpected {extra[:5]}")
+    elif isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            raise UnsafePayloadError(f"{path}: {_describe(got)} expected a sequence of length {len(want)}")
+    elif isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            raise UnsafePayloadError(f"{path}: {type(got).__name__} expected a tensor")
+        if tuple(got.shape) != tuple(want.shape):
+            raise UnsafePayloadError(f"{path}: shape {tuple(got.shape)} expected {tuple(want.shape)}")
+        if got.dtype != want.dtype:
+            raise UnsafePayloadError(f"{path}: dtype {got.dtype} expected {want.dtype}")
+    elif type(got) not in PLAIN_TYPES:
+        raise UnsafePayloadError(f"{path}: {type(got).__name__} expected plain data")
+
+
+def _leaves(state: Any, path: str):
+    # Iterative so that a deeply nested payload fails a check instead of the interpreter's recursion limit.
+    stack = [(path, state)]
+    while stack:
+        here, node = stack.pop()
+        if isinstance(node, dict):
+            for key in node:
+                if type(key) not in PLAIN_TYPES:
+                    raise UnsafePayloadError(f"{here}: key of type {type(key).__name__}, expected plain data")
+            stack.extend((f"{here}.{key}", node[key]) for key in reversed(list(node)))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((f"{here}.{index}", item) for index, item in reversed(list(enumerate(node))))
+        else:
+            yield here, node
+
+
+def _check_leaf(path: str, leaf: Any, finite: bool) -> None:
+    if type(leaf) in PLAIN_TYPES:
+        return
+    if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.layout != torch.strided:
+        raise UnsafePayloadError(f"{path}: {_describe(leaf)} is neither a dense tensor nor plain data")
+    if finite and (leaf.is_floating_point() or leaf.is_complex()) and not bool(torch.isfinite(leaf).all()):
+        raise UnsafePayloadError(f"{path}: tensor holds non-finite values")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor(layout={value.layout}, type={type(value).__name__})"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of length {len(value)}"
+    return type(value).__name__
+
+
+# ------------------------------------------------------------------ authentication
+def sign(secret: bytes, *parts: bytes) -> str:
+    """HMAC-SHA256 (hex) of ``parts`` under ``secret``.
+
+    Each part is length-prefixed, so ``("ab", "c")`` and ``("a", "bc")`` sign differently.
+    """
+    if not isinstance(secret, bytes) or not secret:
+        raise ValueError("secret must be non-empty bytes")
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for index, part in enumerate(parts):
+        if not isinstance(part, bytes):
+            raise ValueError(f"parts[{index}] must be bytes, got {type(part).__name__}")
+        mac.update(len(part).to_bytes(8, "big"))
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def verify(secret: bytes, mac: str | None, *parts: bytes) -> bool:
+    """Whether ``mac`` is :func:`sign` of ``parts`` under ``secret``; compared in constant time."""
+    if not isinstance(mac, str):
+        return False
+    # Bytes, not str: compare_digest refuses non-ASCII strings, and a header may hold anything.
+    return hmac.compare_digest(sign(secret, *parts).encode(), mac.encode("utf-8", "surrogateescape"))
+
+
+def run_secret(value: str | None = None) -> bytes | None:
+    """The run's secret: ``value`` if given, else the variable ``GASLOC_ELASTIC_SECRET``, else None.
+
+    Every member of a run must be given the same secret (e.g. one :func:`new_secret` shared by the launcher).
+    """
+    if value is None:
+        value = os.environ.get(SECRET_ENV) or None
+        if value is None:
+            return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"value must be a non-empty str or None (else {SECRET_ENV} is read)")
+    return value.encode("utf-8")
+
+
+def new_secret() -> str:
+    """A fresh random secret for a run (64 hex characters, 256 bits)."""
+    return secrets.token_hex(32)
