@@ -266,3 +266,44 @@ def test_worker_config_takes_dotlist_overrides_of_existing_keys(tmp_path):
         load_worker_config(path, ["strategy.worker_idd=3"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         load_worker_config(path, ["strategy.worker_id"])
+
+
+@pytest.mark.timeout(90)
+def test_workers_go_on_through_a_lighthouse_that_restarts():
+    """The lighthouse dies between two quorums and comes back on the same address: the failed requests are asked
+    again (torchft raises a connection error, not a timeout, and would re-raise it forever) and the next quorum
+    forms with both workers."""
+    port = free_port()
+    command = lighthouse_command(port, 2, 200, 1000)
+    address = f"{HOST}:{port}"
+
+    def start() -> subprocess.Popen:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+        deadline = time.monotonic() + 10
+        while not lighthouse_reachable(address, timeout=0.2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return process
+
+    process = start()
+    members = [_membership(address, worker_id=w, quorum_timeout=20, min_workers=2) for w in range(2)]
+    try:
+        for member in members:
+            member.connect()
+        with ThreadPoolExecutor(2) as pool:
+            first = [f.result(timeout=30) for f in [pool.submit(m.join) for m in members]]
+            for member in members:
+                member.commit(1)
+            process.kill()
+            process.wait()
+            futures = [pool.submit(m.start_quorum) for m in members]
+            time.sleep(2.0)  # both ask while it is down
+            process = start()
+            second = [f.result(timeout=40) for f in futures]
+        assert [q.size for q in first] == [2, 2] and [q.size for q in second] == [2, 2]
+        assert all(q.usable for q in second) and {q.max_step for q in second} == {1}
+    finally:
+        for member in members:
+            member.shutdown()
+        process.kill()
+        process.wait()

@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
+import secrets
+import socket
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,14 +25,22 @@ import torch
 
 pytest.importorskip("torchft")
 
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from app_utils import CONF, clean_env  # noqa: E402
 from net_utils import listening_sockets, non_loopback  # noqa: E402
-from gasloc_lightning.app.elastic import free_port, lighthouse_command  # noqa: E402
+from gasloc_lightning.app.elastic import free_port, lighthouse_command, worker_config  # noqa: E402
+from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
 from gasloc_lightning.comm.membership import (  # noqa: E402
     ElasticMembership,
     MembershipError,
     SurplusWorkerError,
     lighthouse_reachable,
 )
+from gasloc_lightning.comm.state_transfer import MAC_HEADER, NONCE_HEADER  # noqa: E402
+from gasloc_lightning.comm.wire import sign  # noqa: E402
+from gasloc_lightning.data import ByteDataModule  # noqa: E402
 
 SECRET = b"the-run-secret"
 HOST = "127.0.0.1"
@@ -199,3 +210,85 @@ def test_connect_and_shutdown_in_process_leave_no_socket_or_thread(lighthouse):
         time.sleep(0.2)
     assert not left_sockets, left_sockets
     assert not left_threads, [thread.name for thread in left_threads]
+
+
+def _hold_a_download_open(address: str, step: int) -> socket.socket:
+    """A member that knows the secret asks for the state of ``step`` and then reads nothing (a slow link)."""
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    nonce = secrets.token_hex(16)
+    mac = sign(SECRET, b"request", str(step).encode(), nonce.encode())
+    client = socket.create_connection((host, int(port)), timeout=5)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.sendall(f"GET /state/{step} HTTP/1.0\r\n{NONCE_HEADER}: {nonce}\r\n{MAC_HEADER}: {mac}\r\n\r\n".encode())
+    return client
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_holds_a_download_open_cannot_crash_the_worker_serving_it(lighthouse):
+    """torchft's HTTPTransport takes a lock for every download that its commit must wait for: a reader holding
+    one open made ``commit`` raise TimeoutError after transfer_timeout, killing a healthy worker."""
+    source = Member(lighthouse, 1, state={"x": torch.zeros(8_000_000)}, start_step=3, transfer_timeout=2)
+    joiner = Member(lighthouse, 0, quorum_timeout=20, transfer_timeout=10)
+    for member in (source, joiner):
+        member.membership.connect()
+    slow = None
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            quorums = [f.result(timeout=40) for f in [pool.submit(m.membership.join) for m in (source, joiner)]]
+        assert quorums[1].healed and len(joiner.loaded) == 1  # the 32 MB state went over once
+        slow = _hold_a_download_open(source.membership.state_transfer_address, 3)
+        time.sleep(0.5)  # the server is now blocked writing to a reader that reads nothing
+        start = time.monotonic()
+        source.membership.commit(4)  # drops the served state: must neither wait for the reader nor raise
+        assert time.monotonic() - start < 1.0
+        joiner.membership.commit(4)
+        with ThreadPoolExecutor(2) as pool:  # and the run goes on
+            after = [f.result(timeout=40) for f in [pool.submit(m.membership.start_quorum) for m in (source, joiner)]]
+        assert all(q.usable and q.size == 2 and q.max_step == 4 for q in after)
+    finally:
+        if slow is not None:
+            slow.close()
+        source.membership.shutdown()
+        joiner.membership.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_joiner_that_would_schedule_collectives_differently_is_refused_naming_the_keys(lighthouse, tmp_path):
+    """Two real workers whose validation schedule and consensus measurements differ: one worker's validation mean
+    could pair with the other's round all-reduce of the same size, silently. The one that heals refuses itself."""
+    cache = tmp_path / "cache"
+    ByteDataModule(source="stdlib", block_size=64, cache_dir=cache).prepare_data()
+    overrides = ["model=tiny", "data=stdlib", "trainer=cpu", "inner_steps=5", "trainer.max_steps=30",
+                 "trainer.val_check_interval=10", "trainer.enable_progress_bar=false", "data.batch_size=4",
+                 "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0",
+                 "elastic.workers=2", "elastic.min_workers=1", f"cache_dir={cache}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="elastic/app", overrides=overrides)
+    processes = []
+    try:
+        for worker, different in ((0, []), (1, ["trainer.val_check_interval=15", "strategy.consensus_every=2"])):
+            folder = tmp_path / f"worker_{worker}"
+            folder.mkdir()
+            OmegaConf.save(worker_config(cfg, worker, lighthouse, str(folder)), folder / "worker_config.yaml")
+            command = [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(folder / "worker_config.yaml"),
+                       "strategy.first_quorum_delay=2", *different]
+            env = {**clean_env(), "GASLOC_ELASTIC_SECRET": SECRET.decode(), "OMP_NUM_THREADS": "1"}
+            with open(folder / "worker.log", "wb") as log_file:
+                processes.append(subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                                  start_new_session=True))
+        codes = [process.wait(timeout=100) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    progress = [read_progress(tmp_path / f"worker_{worker}") for worker in range(2)]
+    refused = [record for record in progress if record["state"] == "failed"]
+    assert sorted(codes) == [0, 1] and len(refused) == 1, (codes, progress)
+    assert "ElasticJoinError" in refused[0]["error"], refused[0]
+    assert "val_check_interval" in refused[0]["error"] and "consensus_every" in refused[0]["error"]
+    assert "inner_steps" not in refused[0]["error"]  # only the keys that differ are named
+    finished = next(record for record in progress if record["state"] == "done")
+    assert finished["step"] == 30

@@ -5,6 +5,8 @@ Usage::
     gasloc-elastic experiment=demo elastic.workers=4 'elastic.chaos=[kill:2@40]'
     gasloc-elastic experiment=demo 'elastic.chaos=[kill:2@30,restart:2@50,stall:1@60:5]'
     gasloc-elastic experiment=demo elastic.method=diloco        # DiLoCo on the same engine
+    gasloc-elastic experiment=demo 'elastic.chaos=[term:2@40]'  # worker 2 leaves cleanly (SIGTERM)
+    gasloc-elastic experiment=demo output_dir=RUN elastic.resume=true  # after Ctrl-C: each worker from its checkpoint
 
 It composes the same config as ``gasloc-train`` plus the ``elastic`` group (``conf/elastic/default.yaml``),
 starts a torchft lighthouse (unless ``elastic.lighthouse=HOST:PORT``), starts ``elastic.workers`` worker
@@ -12,43 +14,59 @@ processes (:mod:`gasloc_lightning.app.elastic_worker`, one folder ``<run dir>/wo
 the usual ``summary.json``), runs the chaos schedule against the workers' progress, prints a line
 whenever the quorum size changes and a table at the end, and writes ``elastic_summary.json``.
 
-Everything it starts is stopped by pid when it ends, fails, or gets Ctrl-C / SIGTERM; the workers
-also exit by themselves if the launcher is killed (:func:`~gasloc_lightning.strategies.launcher.exit_with_parent`).
+Everything listens on ``elastic.bind`` (127.0.0.1 unless the user names another address; a wildcard needs
+``elastic.advertise``). The run's secret reaches the workers only through their environment
+(``GASLOC_ELASTIC_SECRET``: the launcher's own if set, else a new one per run); it is never written or printed.
+
+Ctrl-C or SIGTERM makes every worker *leave*: it finishes its round, leaves the quorum and checkpoints its replica
+in ``worker_<W>/checkpoints/left``; ``elastic.resume=true`` with the same ``output_dir`` starts each worker from its
+own. A second signal, an error or the end of the run stops what is left by pid (the lighthouse last). The workers
+and the lighthouse also exit by themselves if the launcher is killed (parent-death signal; see
+:func:`~gasloc_lightning.strategies.launcher.exit_with_parent`).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
-from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, read_progress, ready_file
+from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
+from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.membership import lighthouse_reachable
+from gasloc_lightning.comm.wire import SECRET_ENV, new_secret
+from gasloc_lightning.strategies.launcher import set_parent_death_signal
 
 log = logging.getLogger(__name__)
 
 ELASTIC_SUMMARY_FILE = "elastic_summary.json"
+LOOPBACK = "127.0.0.1"
 _STOP_GRACE_S = 5.0
+_LEAVE_MARGIN_S = 30.0  # after leave_grace_s: the end of the fit and the checkpoint write
 _POLL_S = 0.2
+STATUSES = ("finished", "left", "killed", "stopped", "refused", "failed")
 
 
 @dataclass
@@ -59,6 +77,8 @@ class ElasticSchema:
     method: str = "gasloc"
     lighthouse: str | None = None
     lighthouse_port: int | None = None
+    bind: str = LOOPBACK
+    advertise: str | None = None
     min_workers: int = 2
     max_workers: int | None = None
     chaos: list[str] = field(default_factory=list)
@@ -72,6 +92,8 @@ class ElasticSchema:
     transfer_timeout: float = 60.0
     first_quorum_delay: float = 1.0
     cpu_threads: int = 1
+    leave_grace_s: float = 60.0
+    resume: bool = False
     end_grace_s: float = 30.0
     timeout_s: float = 1800.0
 
@@ -87,7 +109,8 @@ ConfigStore.instance().store(group="schema", name="elastic_app", node=ElasticApp
 # ------------------------------------------------------------------ chaos schedule
 @dataclass(frozen=True)
 class ChaosEvent:
-    """``kill:W@STEP``, ``restart:W@STEP`` or ``stall:W@STEP:SECONDS``; STEP is the furthest live worker's step."""
+    """``kill:W@STEP`` (SIGKILL), ``term:W@STEP`` (SIGTERM: W leaves cleanly), ``restart:W@STEP`` or
+    ``stall:W@STEP:SECONDS``; STEP is the furthest live worker's step."""
 
     action: str
     worker: int
@@ -99,7 +122,7 @@ class ChaosEvent:
         return f"{self.action}:{self.worker}@{self.step}{suffix}"
 
 
-_EVENT = re.compile(r"^(kill|restart|stall):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
+_EVENT = re.compile(r"^(kill|term|restart|stall):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
 
 
 def parse_chaos(entries: list[str], workers: int) -> list[ChaosEvent]:
@@ -108,7 +131,8 @@ def parse_chaos(entries: list[str], workers: int) -> list[ChaosEvent]:
     for entry in entries:
         match = _EVENT.match(str(entry).strip())
         if match is None:
-            raise ValueError(f"elastic.chaos entry {entry!r}: expected kill:W@STEP, restart:W@STEP or stall:W@STEP:SECONDS")
+            raise ValueError(f"elastic.chaos entry {entry!r}: expected kill:W@STEP, term:W@STEP, restart:W@STEP or "
+                             "stall:W@STEP:SECONDS")
         action, worker, step, seconds = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
         if worker >= workers:
             raise ValueError(f"elastic.chaos entry {entry!r}: worker {worker} does not exist (elastic.workers={workers})")
@@ -150,21 +174,69 @@ def random_chaos(events: int, workers: int, max_steps: int, min_workers: int, se
     return schedule
 
 
-# ------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
+# ------------------------------------------------------------------ addresses
+def launcher_endpoint(elastic: DictConfig) -> Endpoint:
+    """Where the lighthouse and the workers listen (``elastic.bind``) and are reached (``elastic.advertise``)."""
+    try:
+        return Endpoint(bind=elastic.bind, advertise=elastic.advertise)
+    except ValueError as error:
+        raise ValueError(f"elastic.bind={elastic.bind!r}, elastic.advertise={elastic.advertise!r}: {error}") from None
+
+
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 literal in brackets (``[::1]:29510``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _local_address(endpoint: Endpoint) -> str:
+    """Where this machine reaches a service of ``endpoint`` (on loopback for a wildcard bind)."""
+    if not endpoint.is_wildcard:
+        return endpoint.bind
+    return "::1" if ":" in endpoint.bind else LOOPBACK
+
+
+def free_port(bind: str = LOOPBACK) -> int:
+    """A port that is free on ``bind`` right now (probed there, not on every interface)."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((bind, 0))
         return probe.getsockname()[1]
 
 
-def lighthouse_command(port: int, min_workers: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> list[str]:
-    """The ``torchft_lighthouse`` command line (the CLI next to this Python, else on PATH)."""
+# ------------------------------------------------------------------ processes
+def lighthouse_command(port: int, min_workers: int, join_timeout_ms: int, heartbeat_timeout_ms: int, *,
+                       bind: str = LOOPBACK) -> list[str]:
+    """The ``torchft_lighthouse`` command line (the CLI next to this Python, else on PATH), listening on
+    ``bind:port`` only."""
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     binary = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
     if binary is None:
         raise RuntimeError("torchft_lighthouse not found: install the elastic extra (pip install 'gasloc-lightning[elastic]')")
-    return [binary, "--bind", f"[::]:{port}", "--min_replicas", str(min_workers), "--join_timeout_ms",
+    return [binary, "--bind", host_port(bind, port), "--min_replicas", str(min_workers), "--join_timeout_ms",
             str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--quorum_tick_ms", "50"]
+
+
+def _start_process(command: list[str], log_path: Path, env: dict[str, str], **popen: Any) -> subprocess.Popen:
+    """Start ``command`` in its own session (Ctrl-C in the terminal reaches the launcher only), its output appended
+    to ``log_path``. The launcher's handle on the log is closed at once: the child holds its own."""
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                **popen)
+
+
+def _terminate(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGCONT (a stopped process cannot act on SIGTERM), SIGTERM, then SIGKILL what still runs after ``grace_s``."""
+    processes = [process for process in processes if process.poll() is None]
+    for process in processes:
+        process.send_signal(signal.SIGCONT)
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass
@@ -184,8 +256,11 @@ class WorkerRecord:
     spare: subprocess.Popen | None = None  # the next incarnation, started ahead and held until its restart
     spare_release: Path | None = None  # the file whose creation releases the spare
     spawned: int = 0  # processes started for this slot (spares included)
-    killed: bool = False
+    ended_by: str | None = None  # the launcher ended this incarnation: "killed" (chaos) or "stopped"
+    leaving: bool = False  # SIGTERM sent: it finishes its round, then leaves
     exit_code: int | None = None
+    final: dict[str, Any] = field(default_factory=dict)  # the last incarnation's progress when it ended
+    resume_from: Path | None = None  # the founding incarnation's ckpt_path (elastic.resume)
 
     def progress(self) -> dict[str, Any]:
         return read_progress(self.output_dir) or {}
@@ -194,18 +269,33 @@ class WorkerRecord:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    @property
+    def checkpoint(self) -> Path:
+        """Where this worker's replica is after a clean leave."""
+        return self.output_dir / LEAVE_CHECKPOINT
+
+
+class ElasticInterrupted(RuntimeError):
+    """Ctrl-C or SIGTERM stopped ``gasloc-elastic``; the workers left (see the printed checkpoints)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
 
 class ElasticRun:
     """Starts the lighthouse and the workers, runs the chaos schedule, and stops all of it by pid.
 
     Args:
         cfg: the composed ``gasloc-elastic`` config.
+        on_poll: called with this run at every poll of :meth:`watch` (e.g. to sample :meth:`live_pids`).
     """
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = None) -> None:
         self.cfg = cfg
         self.elastic = cfg.elastic
         self.run_dir = Path(cfg.output_dir)
+        self.endpoint = launcher_endpoint(self.elastic)
         self.events = chaos_schedule(cfg)
         self.lighthouse: subprocess.Popen | None = None
         self.address = self.elastic.lighthouse
@@ -214,19 +304,46 @@ class ElasticRun:
         self.started_pids: list[int] = []  # every process this launcher started, for the record and for tests
         self._first_finish: float | None = None  # when the first worker finished the run
         self._started = time.monotonic()
+        self._on_poll = on_poll
+        self._secret_given = bool(os.environ.get(SECRET_ENV))
+        self._secret = os.environ.get(SECRET_ENV) or new_secret()  # only ever in the workers' environment
+        self.interrupted = False
+
+    def live_pids(self) -> list[int]:
+        """The processes this launcher started that are running now: workers, held spares and the lighthouse."""
+        processes = [record.process for record in self.workers] + [record.spare for record in self.workers]
+        processes.append(self.lighthouse)
+        return [process.pid for process in processes if process is not None and process.poll() is None]
 
     # ---------------------------------------------------------------- start
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"secret: {'from ' + SECRET_ENV if self._secret_given else 'a new one for this run'} "
+              "(the workers get it in their environment)", flush=True)
         if self.address is None:
             self._start_lighthouse()
         for worker in range(self.elastic.workers):
-            record = self._write_worker_config(worker)
-            self.workers.append(record)
+            self.workers.append(self._write_worker_config(worker))
+        if self.elastic.resume:
+            self._find_checkpoints()
+        for record in self.workers:
             self._spawn(record, held=True, founder=True)
         self._release_together()
         for record in self.workers:
             self._prepare_spare(record, self.events)
+
+    def _find_checkpoints(self) -> None:
+        """``elastic.resume``: each worker with a ``checkpoints/left`` of an earlier run starts from it."""
+        for record in self.workers:
+            if record.checkpoint.exists():
+                record.resume_from = record.checkpoint
+                step = record.progress().get("step")
+                print(f"worker {record.worker} resumes from {record.checkpoint} (left at step {step})", flush=True)
+            else:
+                print(f"worker {record.worker}: no {LEAVE_CHECKPOINT}: it joins from a peer", flush=True)
+        if not any(record.resume_from for record in self.workers):
+            raise FileNotFoundError(f"elastic.resume=true: no worker_<W>/{LEAVE_CHECKPOINT} under {self.run_dir} "
+                                    "(give the output_dir of the interrupted run)")
 
     def _release_together(self) -> None:
         """Start barrier: every first worker builds its trainer, then all are released at once, so the first
@@ -250,20 +367,26 @@ class ElasticRun:
             self._spawn(record, held=True)
 
     def _start_lighthouse(self) -> None:
-        port = self.elastic.lighthouse_port or free_port()
+        bind = self.endpoint.bind
+        port = self.elastic.lighthouse_port or free_port(bind)
         command = lighthouse_command(port, self.elastic.min_workers, self.elastic.join_timeout_ms,
-                                     self.elastic.heartbeat_timeout_ms)
-        log_file = open(self.run_dir / "lighthouse.log", "ab")
-        self.lighthouse = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                           env={**os.environ, "RUST_LOG": "info"}, start_new_session=True)
+                                     self.elastic.heartbeat_timeout_ms, bind=bind)
+        env = {key: value for key, value in os.environ.items() if key != SECRET_ENV}  # it has no use for it
+        # The parent-death signal: a SIGKILLed launcher takes its lighthouse with it. It fires when the thread that
+        # started the child ends, and this thread outlives the lighthouse (stop() ends it first).
+        self.lighthouse = _start_process(command, self.run_dir / "lighthouse.log", {**env, "RUST_LOG": "info"},
+                                         preexec_fn=set_parent_death_signal)
         self.started_pids.append(self.lighthouse.pid)
-        self.address = f"{socket.gethostname()}:{port}"
+        self.address = self.endpoint.address(port)
+        local = host_port(_local_address(self.endpoint), port)
         deadline = time.monotonic() + 10.0
-        while not lighthouse_reachable(self.address, timeout=0.5):
+        while not lighthouse_reachable(local, timeout=0.5):
             if self.lighthouse.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the lighthouse did not start on port {port} (see {self.run_dir / 'lighthouse.log'})")
+                raise RuntimeError(f"the lighthouse did not start on {host_port(bind, port)} "
+                                   f"(see {self.run_dir / 'lighthouse.log'})")
             time.sleep(0.1)
-        print(f"lighthouse {self.address} pid={self.lighthouse.pid} min_workers={self.elastic.min_workers}", flush=True)
+        print(f"lighthouse {self.address} bind={host_port(bind, port)} pid={self.lighthouse.pid} "
+              f"min_workers={self.elastic.min_workers}", flush=True)
 
     def _write_worker_config(self, worker: int) -> WorkerRecord:
         output_dir = self.run_dir / f"worker_{worker}"
@@ -277,23 +400,23 @@ class ElasticRun:
         """Start the worker's next incarnation (``held``: it builds everything, then waits for its release).
 
         Only the first workers (``founder``) wait ``elastic.first_quorum_delay`` before their first quorum, so all
-        of them make it; a restart asks at once (the running workers' next quorum takes it in)."""
+        of them make it, and only they resume from a checkpoint (``elastic.resume``); a restart asks at once (the
+        running workers' next quorum takes it in) and takes a peer's state."""
         record.spawned += 1
         hold_file = record.output_dir / f"release.{record.spawned}"  # its own: the next spare must not take it back
         hold_file.unlink(missing_ok=True)
         env = {**os.environ, "GASLOC_LAUNCHER_PID": str(os.getpid()), "RUST_LOG": "warn",
-               "OMP_NUM_THREADS": str(self.elastic.cpu_threads)}
+               "OMP_NUM_THREADS": str(self.elastic.cpu_threads), SECRET_ENV: self._secret}
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # each worker is its own world
             env.pop(key, None)
         if held:
             env[HOLD_FILE_ENV] = str(hold_file)
-        log_file = open(record.output_dir / "worker.log", "ab")
         command = [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path)]
         if founder:  # the worker config says 0, right for a restart
             command.append(f"strategy.first_quorum_delay={self.elastic.first_quorum_delay}")
-        process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+            if record.resume_from is not None:
+                command.append(f"ckpt_path={record.resume_from}")
+        process = _start_process(command, record.output_dir / "worker.log", env)
         self.started_pids.append(process.pid)
         if held:
             record.spare, record.spare_release = process, hold_file
@@ -309,27 +432,36 @@ class ElasticRun:
     def _start_incarnation(self, record: WorkerRecord, process: subprocess.Popen) -> None:
         record.process = process
         record.incarnations += 1
-        record.killed = False
-        record.exit_code = None
+        record.ended_by, record.leaving, record.exit_code, record.final = None, False, None, {}
         print(f"worker {record.worker} started pid={record.process.pid} (incarnation {record.incarnations})", flush=True)
 
     # ---------------------------------------------------------------- watch
     def watch(self) -> None:
-        """Poll the workers until every one that should finish has exited; fire chaos events on the way."""
+        """Poll the workers until every one that should finish has exited; fire chaos events on the way.
+
+        A restart of a worker that is still leaving (``term``) waits until it has exited."""
         pending = list(self.events)
+        waiting: list[ChaosEvent] = []  # restarts of workers still leaving
         while True:
             step = self._furthest_step()
             while pending and step >= pending[0].step:
-                self._fire(pending.pop(0), step, pending)
+                event = pending.pop(0)
+                if not self._fire(event, step, pending):
+                    waiting.append(event)
             self._resume_stalled()
             self._report_quorum(step)
             self._reap()
+            for event in [e for e in waiting if not self.workers[e.worker].running]:
+                waiting.remove(event)
+                self._fire(event, step, pending)
             self._stop_latecomers()
-            if not any(record.running for record in self.workers) and not pending:
-                self._reap()
+            if self._on_poll is not None:
+                self._on_poll(self)
+            if not any(record.running for record in self.workers):
+                if pending or waiting:
+                    raise RuntimeError(f"every worker has exited with chaos events left: "
+                                       f"{[str(e) for e in waiting + pending]}")
                 return
-            if not any(record.running for record in self.workers) and pending:
-                raise RuntimeError(f"every worker has exited with chaos events left: {[str(e) for e in pending]}")
             if time.monotonic() - self._started > self.elastic.timeout_s:
                 raise TimeoutError(f"gasloc-elastic: the run exceeded elastic.timeout_s={self.elastic.timeout_s:g}s")
             if self.lighthouse is not None and self.lighthouse.poll() is not None:
@@ -340,37 +472,70 @@ class ElasticRun:
         steps = [record.progress().get("step") or 0 for record in self.workers if record.running]
         return max(steps, default=0)
 
-    def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> None:
+    def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
+        """Apply ``event``; False if it must wait (a restart of a worker that is still leaving)."""
         record = self.workers[event.worker]
+        if event.action == "restart" and record.running and record.leaving:
+            print(f"chaos {event} at step {step}: waits for worker {event.worker} to leave", flush=True)
+            return False
         print(f"chaos {event} at step {step}", flush=True)
         if event.action == "restart":
-            if record.running:
-                print(f"  worker {event.worker} is still running: restart skipped", flush=True)
-                return
-            if record.spare is not None:
-                self._release_spare(record)
-            else:
-                self._spawn(record)
-            self._prepare_spare(record, pending)
-            return
-        if not record.running:
+            self._restart(record, pending)
+        elif not record.running:
             print(f"  worker {event.worker} is not running: {event.action} skipped", flush=True)
-            return
-        if event.action == "kill":
-            self._account_exit(record, step)
-            record.killed = True
-            record.process.send_signal(signal.SIGKILL)
-            record.process.wait()
+        elif event.action == "kill":
+            self._end(record, "killed", left_at=step)
+        elif event.action == "term":
+            self._ask_to_leave(record)
         else:
             record.process.send_signal(signal.SIGSTOP)
             record.stalled_until = time.monotonic() + event.seconds
+        return True
 
-    def _account_exit(self, record: WorkerRecord, step: int) -> None:
-        progress = record.progress()
+    def _restart(self, record: WorkerRecord, pending: list[ChaosEvent]) -> None:
+        if record.running:
+            print(f"  worker {record.worker} is still running: restart skipped", flush=True)
+            return
+        if record.spare is not None:
+            self._release_spare(record)
+        else:
+            self._spawn(record)
+        self._prepare_spare(record, pending)
+
+    def _ask_to_leave(self, record: WorkerRecord) -> None:
+        """SIGTERM (SIGCONT first: a stopped process cannot act on it): the worker finishes its round and leaves."""
+        record.process.send_signal(signal.SIGCONT)
+        record.process.send_signal(signal.SIGTERM)
+        record.stalled_until = None
+        record.leaving = True
+
+    def _end(self, record: WorkerRecord, why: str, left_at: int | None = None) -> None:
+        """SIGKILL the worker's running incarnation (``why``: "killed" by chaos or "stopped" by the launcher)."""
+        record.ended_by = why
+        record.process.kill()
+        record.process.wait()
+        self._reap_one(record, left_at)
+
+    def _reap(self) -> None:
+        for record in self.workers:
+            self._reap_one(record)
+
+    def _reap_one(self, record: WorkerRecord, left_at: int | None = None) -> None:
+        """Account for an incarnation that has exited (once): its steps, its final progress, its status."""
+        if record.process is None or record.exit_code is not None or record.process.poll() is None:
+            return
+        record.exit_code = record.process.returncode
+        progress = record.final = record.progress()
         record.applied += int(progress.get("applied") or 0)
         record.joined.append(progress.get("first_step"))
-        record.left.append(step)
-        record.exit_steps.append(int(progress.get("step") or 0))
+        own_step = int(progress.get("step") or 0)
+        record.left.append(own_step if left_at is None else left_at)
+        record.exit_steps.append(own_step)
+        if progress.get("state") == "left":
+            where = progress.get("checkpoint") or "no checkpoint: it abandoned its round"
+            print(f"worker {record.worker} left at step {own_step} ({where})", flush=True)
+        elif record.ended_by is None and record.exit_code != 0:
+            print(f"worker {record.worker} failed (exit {record.exit_code}): {progress.get('error')}", flush=True)
 
     def _resume_stalled(self) -> None:
         for record in self.workers:
@@ -390,22 +555,12 @@ class ElasticRun:
             print(f"step {step}: quorum size {size} (live workers {sum(r.running for r in self.workers)})", flush=True)
             self._last_quorum = size
 
-    def _reap(self) -> None:
-        for record in self.workers:
-            if record.process is None or record.exit_code is not None or record.process.poll() is None:
-                continue
-            record.exit_code = record.process.returncode
-            if not record.killed:
-                progress = record.progress()
-                self._account_exit(record, int(progress.get("step") or 0))
-                if record.exit_code != 0:
-                    print(f"worker {record.worker} failed (exit {record.exit_code}): {progress.get('error')}", flush=True)
-
     def _stop_latecomers(self) -> None:
         """Once a worker has finished the run is over: one still waiting to join would wait for its quorum_timeout,
         and so would one left out of the last quorums (its exchange failed as a peer died): after
-        ``elastic.end_grace_s`` it is stopped too, as having outlived the run, not as failed."""
-        if not any(record.exit_code == 0 for record in self.workers):
+        ``elastic.end_grace_s`` it is stopped too, as having outlived the run, not as failed. (A worker that left
+        has not finished the run.)"""
+        if not any(record.exit_code == 0 and record.final.get("state") == "done" for record in self.workers):
             return
         if self._first_finish is None:
             self._first_finish = time.monotonic()
@@ -417,43 +572,86 @@ class ElasticRun:
             if late or overdue:
                 why = "arrived after the run ended" if late else f"still running {self.elastic.end_grace_s:g}s after the end"
                 print(f"worker {record.worker} {why}: stopped", flush=True)
-                record.killed = True
-                record.process.kill()
-                record.process.wait()
-                self._account_exit(record, int(record.progress().get("step") or 0))
-                record.exit_code = record.process.returncode
+                self._end(record, "stopped")
 
     # ---------------------------------------------------------------- stop and report
+    def leave(self) -> None:
+        """Every running worker leaves: SIGTERM; each finishes its round, leaves the quorum and checkpoints its
+        replica. What still runs ``elastic.leave_grace_s`` plus a margin for the checkpoint later is SIGKILLed."""
+        leaving = [record for record in self.workers if record.running]
+        wait_s = self.elastic.leave_grace_s + _LEAVE_MARGIN_S
+        print(f"stopping: workers {[r.worker for r in leaving]} finish their round and leave (up to {wait_s:g}s)",
+              flush=True)
+        for record in leaving:
+            self._ask_to_leave(record)
+        deadline = time.monotonic() + wait_s
+        while any(record.running for record in leaving) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(_POLL_S)
+        self._reap()
+        for record in leaving:
+            if record.running:
+                print(f"worker {record.worker} did not leave within {wait_s:g}s: killed", flush=True)
+                self._end(record, "stopped")
+
     def stop(self) -> None:
-        """Stop every process this launcher started and that still runs: SIGCONT, SIGTERM, then SIGKILL."""
-        processes = [record.process for record in self.workers if record.running]
-        processes += [record.spare for record in self.workers if record.spare is not None and record.spare.poll() is None]
-        if self.lighthouse is not None and self.lighthouse.poll() is None:
-            processes.append(self.lighthouse)
-        for process in processes:
-            process.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + _STOP_GRACE_S
-        for process in processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Stop every process this launcher started and that still runs, by pid: the workers and held spares first
+        (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round)."""
+        running = [record for record in self.workers if record.running]
+        for record in running:
+            record.ended_by = record.ended_by or "stopped"
+        spares = [record.spare for record in self.workers if record.spare is not None]
+        _terminate([record.process for record in running] + spares, _STOP_GRACE_S)
+        self._reap()
+        if self.lighthouse is not None:
+            _terminate([self.lighthouse], _STOP_GRACE_S)
+
+    def clean_up(self) -> None:
+        """Remove the launcher's hand-over files (spare releases, their ready marks) and torn progress writes."""
+        for record in self.workers:
+            for pattern in ("release.*", "progress.*.tmp"):
+                for path in record.output_dir.glob(pattern):
+                    path.unlink(missing_ok=True)
 
     def summary(self) -> dict[str, Any]:
         rows = []
         for record in self.workers:
-            final = _final_summary(record.output_dir)
+            final, progress = _final_summary(record.output_dir), record.final
+            status = worker_status(record, final.get("val_loss"))
             rows.append({
-                "worker": record.worker, "exit_code": record.exit_code, "incarnations": record.incarnations,
-                "applied_steps": record.applied, "final_step": final.get("step"), "joined": record.joined,
-                "left": record.left, "exit_steps": record.exit_steps, "val_loss": final.get("val_loss"),
-                # ran to the end and validated (a restart that arrived as the run ended exits 0 without a loss)
-                "finished": record.exit_code == 0 and final.get("val_loss") is not None,
+                "worker": record.worker, "status": status, "exit_code": record.exit_code,
+                "incarnations": record.incarnations, "applied_steps": record.applied, "final_step": final.get("step"),
+                "joined": record.joined, "left": record.left, "exit_steps": record.exit_steps,
+                "val_loss": final.get("val_loss"), "finished": status == "finished",
+                "model_checksum": progress.get("model_checksum"), "failed_exchanges": progress.get("failed_exchanges"),
+                "failed_collectives": progress.get("failed_collectives"), "checkpoint": progress.get("checkpoint"),
+                "resumed_from": None if record.resume_from is None else str(record.resume_from),
             })
-        return {"lighthouse": self.address, "chaos": [str(e) for e in self.events], "workers": rows,
-                "pids": self.started_pids}
+        return {"lighthouse": self.address, "bind": self.endpoint.bind, "chaos": [str(e) for e in self.events],
+                "interrupted": self.interrupted, "workers": rows, "pids": self.started_pids,
+                "lighthouse_pid": None if self.lighthouse is None else self.lighthouse.pid}
+
+
+def worker_status(record: WorkerRecord, val_loss: float | None) -> str:
+    """How a worker's last incarnation ended: one of :data:`STATUSES`.
+
+    ``finished``: exit 0 with a final validation loss; ``left``: it left after SIGTERM (not a failure); ``killed``: by
+    a chaos kill; ``stopped``: by the launcher (it arrived after the run ended, outlived it by ``end_grace_s``,
+    did not leave in time, or never started), or it exited 0 without a final validation (it joined as the run
+    ended); ``refused``: surplus past ``max_workers``; ``failed``: anything else.
+    """
+    state = record.final.get("state")
+    if state == "left":
+        return "left"
+    if record.ended_by is not None:
+        return record.ended_by
+    if record.process is None or record.exit_code is None:
+        return "stopped"
+    if state == "refused" or record.exit_code == 3:
+        return "refused"
+    if record.exit_code == 0:
+        return "finished" if val_loss is not None else "stopped"
+    return "failed"
 
 
 def _final_summary(output_dir: Path) -> dict[str, Any]:
@@ -465,11 +663,18 @@ def _final_summary(output_dir: Path) -> dict[str, Any]:
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    print(f"{'worker':>6} {'exit':>5} {'applied':>8} {'final_step':>10} {'joined':>12} {'left':>12} {'val_loss':>9}")
+    print(f"{'worker':>6} {'status':>8} {'exit':>5} {'applied':>8} {'final_step':>10} {'joined':>12} {'left':>12} "
+          f"{'val_loss':>9} {'failed x/c':>10}")
     for row in summary["workers"]:
         loss = "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
-        print(f"{row['worker']:>6} {str(row['exit_code']):>5} {row['applied_steps']:>8} {str(row['final_step']):>10} "
-              f"{','.join(map(str, row['joined'])):>12} {','.join(map(str, row['left'])):>12} {loss:>9}", flush=True)
+        failed = f"{_dash(row['failed_exchanges'])}/{_dash(row['failed_collectives'])}"
+        print(f"{row['worker']:>6} {row['status']:>8} {str(row['exit_code']):>5} {row['applied_steps']:>8} "
+              f"{str(row['final_step']):>10} {','.join(map(str, row['joined'])):>12} "
+              f"{','.join(map(str, row['left'])):>12} {loss:>9} {failed:>10}", flush=True)
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 # ------------------------------------------------------------------ worker configs
@@ -479,7 +684,7 @@ _GASLOC_KEYS = ("inner_steps", "outer_lr", "outer_momentum", "outer_form", "seed
 
 def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str) -> DictConfig:
     """The fully resolved config of worker ``worker``: the composed run with an elastic strategy node,
-    one device, and data shard ``worker`` of ``elastic.workers``."""
+    one device, and data shard ``worker`` of ``elastic.workers``. It holds no secret."""
     elastic = cfg.elastic
     plain = OmegaConf.to_container(cfg, resolve=False)
     plain.pop("elastic")
@@ -499,6 +704,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
         max_workers=elastic.max_workers or elastic.workers, connect_timeout=elastic.connect_timeout,
         quorum_timeout=elastic.quorum_timeout, gossip_timeout=elastic.gossip_timeout,
         transfer_timeout=elastic.transfer_timeout, first_quorum_delay=0.0, cpu_threads=elastic.cpu_threads,
+        bind=elastic.bind, advertise=elastic.advertise, leave_grace_s=elastic.leave_grace_s,
     )
     run.strategy = strategy
     run.trainer.devices = 1
@@ -526,12 +732,18 @@ def check_elastic(cfg: DictConfig) -> None:
         raise ValueError(f"elastic.workers must be >= 1, got {elastic.workers}")
     if not 1 <= elastic.min_workers <= elastic.workers:
         raise ValueError(f"elastic.min_workers must lie in [1, elastic.workers={elastic.workers}], got {elastic.min_workers}")
+    if elastic.max_workers is not None and elastic.max_workers < elastic.workers:
+        raise ValueError(f"elastic.max_workers={elastic.max_workers} is below elastic.workers={elastic.workers}: the "
+                         "surplus workers would be refused at their first quorum")
+    if elastic.leave_grace_s < 0:
+        raise ValueError(f"elastic.leave_grace_s must be >= 0 seconds, got {elastic.leave_grace_s:g}")
     if elastic.lighthouse is None and not elastic.join_timeout_ms > 1000 * elastic.gossip_timeout:
         raise ValueError(
             f"elastic.join_timeout_ms={elastic.join_timeout_ms} must exceed elastic.gossip_timeout="
             f"{elastic.gossip_timeout:g}s: a worker whose exchange or all-reduce with a dead peer times out asks "
             "for the next quorum up to gossip_timeout after the others, and the lighthouse would form it without it"
         )
+    launcher_endpoint(elastic)
     if cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] not in ("GASLoCStrategy", "DiLoCoStrategy"):
         raise ValueError("gasloc-elastic builds its strategy from strategy=gasloc or strategy=diloco settings")
     chaos_schedule(cfg)
@@ -546,39 +758,90 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated(f"signal {signum}")
 
 
-def run_elastic(cfg: DictConfig) -> dict[str, Any]:
-    """Run a composed ``gasloc-elastic`` config to the end; returns (and writes) the per-worker summary."""
+def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = None) -> dict[str, Any]:
+    """Run a composed ``gasloc-elastic`` config to the end; returns (and writes) the per-worker summary.
+
+    Args:
+        cfg: the composed config (``elastic/app``).
+        on_poll: called with the :class:`ElasticRun` at every poll while the workers run.
+
+    Raises:
+        ElasticInterrupted: Ctrl-C or SIGTERM (in the main thread): the workers left, each with its checkpoint.
+        RuntimeError: a worker failed or was refused (named, with its error).
+    """
     check_choices(cfg)
     check_budget(cfg.trainer)
     check_elastic(cfg)
-    run = ElasticRun(cfg)
+    run = ElasticRun(cfg, on_poll=on_poll)
+    signum: int | None = None
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
     try:
-        run.start()
-        run.watch()
+        try:
+            run.start()
+            run.watch()
+        except (_Terminated, KeyboardInterrupt) as error:
+            signum = signal.SIGTERM if isinstance(error, _Terminated) else signal.SIGINT
+            run.interrupted = True
+            try:
+                run.leave()
+            except (_Terminated, KeyboardInterrupt):
+                print("a second signal: stopping the workers now", flush=True)
     finally:
         run.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    summary = run.summary()
-    (run.run_dir / ELASTIC_SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        run.clean_up()
+        summary = run.summary()
+        (run.run_dir / ELASTIC_SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     print_table(summary)
-    failed = [r.worker for r in run.workers if r.exit_code not in (0, None) and not r.killed]
-    if failed:
-        raise RuntimeError(f"gasloc-elastic: worker(s) {failed} failed; see their worker.log under {run.run_dir}")
+    if signum is not None:
+        _print_resume(summary, run.run_dir)
+        raise ElasticInterrupted(signum, f"gasloc-elastic: interrupted by {signal.Signals(signum).name}; the workers "
+                                         f"left (resume with elastic.resume=true output_dir={run.run_dir})")
+    _raise_if_failed(run, summary)
     return summary
 
 
-def _main_thread() -> bool:
-    import threading
+def _raise_if_failed(run: ElasticRun, summary: dict[str, Any]) -> None:
+    """A worker that failed or was refused fails the run, with each one's error (one that left, was killed by chaos
+    or was stopped by the launcher does not)."""
+    failed = [row["worker"] for row in summary["workers"] if row["status"] in ("failed", "refused")]
+    if failed:
+        errors = "; ".join(f"worker {worker}: {run.workers[worker].final.get('error')}" for worker in failed)
+        raise RuntimeError(f"gasloc-elastic: worker(s) {failed} failed ({errors}); see their worker.log under "
+                           f"{run.run_dir}")
 
+
+def _print_resume(summary: dict[str, Any], run_dir: Path) -> None:
+    """Where each worker's checkpoint is, and the command that resumes the run from them."""
+    print("interrupted: the workers left; their checkpoints:", flush=True)
+    for row in summary["workers"]:
+        where = row["checkpoint"] or f"none ({row['status']}: it joins from a peer on resume)"
+        print(f"  worker {row['worker']}: {where}", flush=True)
+    overrides = [o for o in _task_overrides() if not o.startswith(("output_dir=", "elastic.resume="))]
+    command = shlex.join(["gasloc-elastic", *overrides, f"output_dir={run_dir}", "elastic.resume=true"])
+    print(f"resume with: {command}", flush=True)
+
+
+def _task_overrides() -> list[str]:
+    """The command line's overrides (none when the config was composed in-process)."""
+    if not HydraConfig.initialized():
+        return []
+    return list(HydraConfig.get().overrides.task)
+
+
+def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="elastic/app")
 def main(cfg: DictConfig) -> None:
-    """Console entry point ``gasloc-elastic``."""
-    run_elastic(cfg)
+    """Console entry point ``gasloc-elastic`` (exit status 128 + the signal's number when interrupted)."""
+    try:
+        run_elastic(cfg)
+    except ElasticInterrupted as interrupted:
+        print(interrupted, file=sys.stderr, flush=True)
+        raise SystemExit(128 + interrupted.signum) from None
 
 
 if __name__ == "__main__":

@@ -252,10 +252,7 @@ class BoundProcessGroupGloo(_TorchftGloo):
         return group
 
     def _gloo_backend(self, store: Store, rank: int, world_size: int) -> _GlooBackend:
-        options = _GlooBackend._Options()
-        options._timeout = self._timeout
-        options._devices = [_GlooBackend.create_device(hostname=self._endpoint.gloo_host)]
-        backend = _GlooBackend(store, rank, world_size, options)
+        backend = _GlooBackend(store, rank, world_size, gloo_options(self._endpoint, self._timeout))
         backend._set_sequence_number_for_group()
         # As torchft's own _create_pg: flight-recorder and DeviceMesh bookkeeping read these.
         if self._global_ranks:
@@ -278,6 +275,15 @@ class BoundProcessGroupGloo(_TorchftGloo):
     def close(self) -> None:
         """Abort pending collectives and drop the group (gloo closes its sockets with the last reference)."""
         self.abort(errored=False)
+
+
+def gloo_options(endpoint: Endpoint, timeout: timedelta) -> Any:
+    """Options of a gloo backend whose device listens on ``endpoint`` only (gloo's default device listens on
+    whatever the host name resolves to, or on ``GLOO_SOCKET_IFNAME``)."""
+    options = _GlooBackend._Options()
+    options._timeout = timeout
+    options._devices = [_GlooBackend.create_device(hostname=endpoint.gloo_host)]
+    return options
 
 
 # ------------------------------------------------------------------ torchft's ManagerServer

@@ -169,6 +169,8 @@ class ElasticMembership:
         secret: the run's secret: a peer's state is only sent to, and taken from, members that know it.
         start_step: the round count this worker resumes at (from its own checkpoint): a worker is healed only if a
             peer is further, so workers resumed at the same round keep their own replicas.
+        max_state_bytes: the largest peer state this worker accepts (``None``: any); a larger body is refused
+            before it is read.
     """
 
     def __init__(
@@ -189,6 +191,7 @@ class ElasticMembership:
         endpoint: Endpoint | None = None,
         secret: bytes,
         start_step: int = 0,
+        max_state_bytes: int | None = None,
     ) -> None:
         self._url = lighthouse_url(lighthouse)
         if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
@@ -215,7 +218,10 @@ class ElasticMembership:
             raise ValueError("secret must be non-empty bytes (the run's secret; see docs/security.md)")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
-        self.max_workers, self.start_step = max_workers, start_step
+        if max_state_bytes is not None and (isinstance(max_state_bytes, bool) or not isinstance(max_state_bytes, int)
+                                            or max_state_bytes < 1):
+            raise ValueError(f"max_state_bytes must be None or an int >= 1, got {max_state_bytes!r}")
+        self.max_workers, self.start_step, self.max_state_bytes = max_workers, start_step, max_state_bytes
         self.endpoint = endpoint if endpoint is not None else Endpoint()
         self._secret = secret
         self._manager: Any = None
@@ -251,7 +257,8 @@ class ElasticMembership:
         self._store = listening_store(endpoint, timeout=self.transfer_timeout)
         self._pg = BoundProcessGroupGloo(endpoint=endpoint, timeout=timedelta(seconds=self.gossip_timeout))
         self._transport = AuthenticatedStateTransport(
-            bind=endpoint.bind, advertise=endpoint.advertised, secret=self._secret, timeout=self.transfer_timeout)
+            bind=endpoint.bind, advertise=endpoint.advertised, secret=self._secret, timeout=self.transfer_timeout,
+            max_bytes=self.max_state_bytes)
         try:
             with bound_manager_server(endpoint):
                 self._manager = Manager(
@@ -374,6 +381,7 @@ class ElasticMembership:
         ``deadline``, then :class:`MembershipError` says why."""
         while True:
             try:
+                self._wait_for_lighthouse(deadline)
                 return self._ask_quorum(max(0.1, deadline - time.monotonic()))
             except _RefusedPeerState as refused:  # this worker refused to join: not a quorum failure
                 raise refused.error from refused.error.__cause__
@@ -384,6 +392,12 @@ class ElasticMembership:
                 log.warning("quorum request failed worker=%s error=%s (asking again)", self.name,
                             str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
                 time.sleep(0.2)
+
+    def _wait_for_lighthouse(self, deadline: float) -> None:
+        """A quorum request sent while the lighthouse is down hangs until its timeout in torchft 0.2.0, even once
+        the lighthouse is back: ask only when it answers (it may restart on the same address)."""
+        while not lighthouse_reachable(self._url, timeout=0.5) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def _ask_quorum(self, timeout: float) -> Quorum:
         manager = self._require_manager()
@@ -476,6 +490,11 @@ class ElasticMembership:
     @property
     def lighthouse(self) -> str:
         return self._url
+
+    @property
+    def state_transfer_address(self) -> str | None:
+        """``http://HOST:PORT`` of this worker's state-transfer server (None when not connected)."""
+        return None if self._transport is None else self._transport.metadata()
 
     @property
     def connected(self) -> bool:

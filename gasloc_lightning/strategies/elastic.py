@@ -44,7 +44,6 @@ DiLoCo's outer Nesterov step, see ``docs/algorithm.md`` section 2): :class:`Elas
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -52,6 +51,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -60,6 +60,7 @@ from typing_extensions import override
 from gasloc_lightning.algorithm.outer import OuterState, mix
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.endpoints import Endpoint
+from gasloc_lightning.comm.flat import all_finite
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum
 from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
@@ -228,6 +229,14 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     # ------------------------------------------------------------------ configuration
     @override
+    def setup_distributed(self) -> None:
+        """This worker's Lightning world is this process alone (its peers are reached through torchft), so no
+        ``torch.distributed`` group is started: Lightning's would listen on every interface (its TCPStore) or on
+        whatever the host name resolves to (gloo), and every collective of a world of one is a no-op."""
+        reset_seed()
+        self.set_world_ranks()
+
+    @override
     def check_configuration(self, world_size: int) -> None:
         """Resolve gamma and check stability for every quorum size the run allows."""
         LocalStepsStrategy.check_configuration(self, world_size)
@@ -265,6 +274,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._membership = ElasticMembership(
             **self._membership_args, state_dict=self._peer_state, load_state_dict=self._take_peer_state,
             start_step=self.round_index,  # a resumed worker keeps its replica unless a peer is further
+            max_state_bytes=_max_state_bytes(self.layout.numel),
         )
         self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
         self._listen_for_sigterm()
@@ -535,6 +545,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         except ElasticCollectiveError as error:
             log.warning("all-reduce round failed round=%d: %s (own point kept)", self.round_index, error)
             message.copy_(backup)
+            return
+        if not all_finite(message):  # a member sent non-finite values: nobody takes the poisoned mean
+            self._guard.rejected_exchanges += 1
+            log.warning("all-reduce round gave non-finite values round=%d (own point kept)", self.round_index)
+            message.copy_(backup)
 
     @override
     def end_round(self) -> None:
@@ -662,6 +677,12 @@ class ElasticMetricsCallback(Callback):
             "comm/failed_exchanges": float(strategy.failed_exchanges),
             "comm/failed_collectives": float(strategy.failed_collectives),
         }, on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+def _max_state_bytes(numel: int) -> int:
+    """A bound on a peer's serialized state: float32 live point, outer state (round start, anchor or momentum) and
+    inner optimizer state (AdamW's two moments) are about 6 model copies; 16 leave room for other optimizers."""
+    return 16 * 4 * numel + (64 << 20)
 
 
 _PEER_STATE_KEYS = frozenset({"signature", "live", "strategy", "optimizers", "schedulers", "boundary"})

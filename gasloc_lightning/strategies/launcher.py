@@ -82,7 +82,7 @@ def exit_with_parent() -> None:
     parent = _launching_parent()
     if parent is None:
         return
-    _set_parent_death_signal()
+    set_parent_death_signal()
     if os.getppid() != parent:  # gone before the signal was armed
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent,), name="gasloc-parent-watchdog", daemon=True).start()
@@ -96,14 +96,23 @@ def _launching_parent() -> int | None:
     return parent.pid if parent is not None else None
 
 
-def _set_parent_death_signal() -> None:
+def _load_prctl() -> Any:
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):  # no prctl: the watchdog still works
-        pass
+        return None
+
+
+# Looked up once, here: loading libc in a child forked from a threaded parent (a ``preexec_fn``) can deadlock.
+_PRCTL = _load_prctl()
+
+
+def set_parent_death_signal() -> None:
+    """Linux: this process gets SIGKILL when its parent dies (also usable as a ``subprocess`` ``preexec_fn``)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _watch_parent(parent: int) -> None:
