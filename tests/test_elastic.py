@@ -128,6 +128,7 @@ def test_a_timed_out_quorum_request_is_not_sticky(lighthouse_of_two):
             first.start_quorum()
         assert time.monotonic() - start > 1.5  # it waited again instead of re-raising at once
         second.connect()
+        first.quorum_timeout = 20.0  # now wait for the second worker (it connects, then asks)
         with ThreadPoolExecutor(2) as pool:
             quorums = [future.result(timeout=30) for future in
                        [pool.submit(member.join) for member in (first, second)]]

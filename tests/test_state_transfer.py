@@ -28,6 +28,7 @@ import torch
 
 from gasloc_lightning.comm import wire
 from gasloc_lightning.comm.state_transfer import (
+    LENGTH_MAC_HEADER,
     MAC_HEADER,
     NONCE_HEADER,
     AuthenticatedStateTransport,
@@ -242,8 +243,11 @@ def test_rogue_server_cannot_run_code_on_the_joiner(make_transport, tmp_path, si
             digest = hashlib.sha256(payload).digest()
             mac = wire.sign(SECRET, b"response", step, nonce, digest) if signed else "0" * 64
             self.send_response(200)
+            length_mac = (wire.sign(SECRET, b"length", step, nonce, str(len(payload)).encode()) if signed
+                          else "0" * 64)
             self.send_header("Content-Length", str(len(payload)))
             self.send_header(MAC_HEADER, mac)
+            self.send_header(LENGTH_MAC_HEADER, length_mac)
             self.end_headers()
             self.wfile.write(payload)
 
@@ -441,12 +445,13 @@ def test_wildcard_bind_only_when_explicit(make_transport):
 def test_one_deadline_bounds_a_trickling_transfer(make_transport, phase):
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
-    head = b"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n\r\n"
-
     def trickle():
         connection, _ = listener.accept()
         with connection:
-            connection.recv(4096)
+            request = connection.recv(4096).decode()
+            nonce = request.split(f"{NONCE_HEADER}: ", 1)[1].split("\r\n", 1)[0].encode()
+            length_mac = wire.sign(SECRET, b"length", b"3", nonce, b"1000")  # a member that knows the secret
+            head = f"HTTP/1.0 200 OK\r\nContent-Length: 1000\r\n{LENGTH_MAC_HEADER}: {length_mac}\r\n\r\n".encode()
             if phase == "body":
                 connection.sendall(head)
             stream = head if phase == "headers" else b"x" * 1000
@@ -467,5 +472,48 @@ def test_one_deadline_bounds_a_trickling_transfer(make_transport, phase):
         assert 1.9 < time.monotonic() - start < 3.0
     finally:
         stop.set()
+        thread.join(5)
+        listener.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_flood_of_connections_gets_no_thread_each_and_honest_peers_fetch_once_it_has_timed_out(make_transport):
+    sender = make_transport(timeout=1.0)
+    sender.send_checkpoint([1], 3, {"live": torch.ones(4)}, timedelta(seconds=5))
+    threads_before = threading.active_count()
+    flood = [socket.create_connection(("127.0.0.1", sender.port)) for _ in range(40)]
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() - threads_before <= 8  # the rest were closed at once, without a thread
+        assert wait_until(lambda: sender.refused >= 32, 2.0), sender.refused
+    finally:
+        for connection in flood:
+            connection.close()
+    time.sleep(1.2)  # the held connections reach their deadline
+    received = make_transport().recv_checkpoint(0, sender.metadata(), 3, 5.0)
+    assert torch.equal(received["live"], torch.ones(4))
+
+
+@pytest.mark.timeout(30)
+def test_an_unsigned_length_is_refused_before_the_body_is_read(make_transport):
+    """A source that does not know the secret claims a 64 GB body: nothing of it is read."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(4096)
+            connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 68719476736\r\n"
+                               + f"{LENGTH_MAC_HEADER}: {'0' * 64}\r\n\r\n".encode() + b"x" * 65536)
+            time.sleep(2)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(UnsafePayloadError, match="not signed"):
+            make_transport().recv_checkpoint(0, f"http://127.0.0.1:{listener.getsockname()[1]}", 3, 10.0)
+        assert time.monotonic() - start < 1.5
+    finally:
         thread.join(5)
         listener.close()

@@ -375,7 +375,7 @@ class ElasticRun:
         # The parent-death signal: a SIGKILLed launcher takes its lighthouse with it. It fires when the thread that
         # started the child ends, and this thread outlives the lighthouse (stop() ends it first).
         self.lighthouse = _start_process(command, self.run_dir / "lighthouse.log", {**env, "RUST_LOG": "info"},
-                                         preexec_fn=set_parent_death_signal)
+                                         preexec_fn=functools.partial(set_parent_death_signal, os.getpid()))
         self.started_pids.append(self.lighthouse.pid)
         self.address = self.endpoint.address(port)
         local = host_port(_local_address(self.endpoint), port)
@@ -818,7 +818,10 @@ def _print_resume(summary: dict[str, Any], run_dir: Path) -> None:
     for row in summary["workers"]:
         where = row["checkpoint"] or f"none ({row['status']}: it joins from a peer on resume)"
         print(f"  worker {row['worker']}: {where}", flush=True)
-    overrides = [o for o in _task_overrides() if not o.startswith(("output_dir=", "elastic.resume="))]
+    # without the chaos schedule: its steps are behind the resumed workers, so every event would fire at once
+    overrides = [o for o in _task_overrides()
+                 if not o.lstrip("+~").startswith(("output_dir=", "elastic.resume=", "elastic.chaos=",
+                                                   "elastic.random_chaos="))]
     command = shlex.join(["gasloc-elastic", *overrides, f"output_dir={run_dir}", "elastic.resume=true"])
     print(f"resume with: {command}", flush=True)
 

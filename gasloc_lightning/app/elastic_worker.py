@@ -81,6 +81,7 @@ class ElasticProgress(Callback):
         self.output_dir = output_dir
         self.applied = 0  # steps this process computed (a joiner's global step starts at the quorum's)
         self.first_step: int | None = None
+        self.checkpoint: str | None = None  # where this worker's replica was saved when it left
 
     def record(self, trainer: pl.Trainer, state: str, **extra: Any) -> dict[str, Any]:
         strategy = trainer.strategy
@@ -107,6 +108,10 @@ class ElasticProgress(Callback):
         self.applied += 1
         if self.first_step is None:
             self.first_step = trainer.global_step - 1
+        if getattr(trainer.strategy, "left", False) and self.checkpoint is None:
+            # Right after the round that it committed as it left, inside the loop (as ModelCheckpoint saves):
+            # the fit then stops, and a resume continues from this very batch.
+            self.checkpoint = save_leave_checkpoint(trainer, self.output_dir)
         write_progress(self.output_dir, self.record(trainer, "running"))
 
 
@@ -160,8 +165,8 @@ def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str,
     val_loss = trainer.callback_metrics.get("val/loss")
     extra = {"val_loss": None if val_loss is None else float(val_loss), "model_checksum": model_checksum(trainer)}
     left = getattr(trainer.strategy, "left", False)
-    if left:
-        extra["checkpoint"] = _save_leave_checkpoint(trainer, output_dir)
+    if left:  # it left at a batch's start (SIGTERM between two rounds): nothing was saved inside the loop
+        extra["checkpoint"] = progress.checkpoint or save_leave_checkpoint(trainer, output_dir)
     write_progress(output_dir, progress.record(trainer, "left" if left else "done", **extra))
     return 0
 
@@ -172,7 +177,7 @@ def _ended(output_dir: str, progress: ElasticProgress, state: str, code: int, er
     return code
 
 
-def _save_leave_checkpoint(trainer: pl.Trainer, output_dir: str) -> str:
+def save_leave_checkpoint(trainer: pl.Trainer, output_dir: str) -> str:
     """This worker's own replica and state after a clean leave (a per-rank checkpoint ``ckpt_path`` resumes)."""
     path = Path(output_dir) / LEAVE_CHECKPOINT
     trainer.save_checkpoint(path)

@@ -54,9 +54,11 @@ log = logging.getLogger(__name__)
 
 NONCE_HEADER = "X-Gasloc-Nonce"
 MAC_HEADER = "X-Gasloc-Mac"
+LENGTH_MAC_HEADER = "X-Gasloc-Length-Mac"
 _STATE_PATH = re.compile(r"/state/(\d{1,19})", re.ASCII)
 _NONCE = re.compile(r"[0-9a-f]{32,128}", re.ASCII)
 _READ_CHUNK = 1 << 20
+_MAX_CONNECTIONS = 8  # connections served at once; more are closed at once
 _POLL_INTERVAL = 0.05  # seconds: how fast the serving loop notices a shutdown
 
 
@@ -215,6 +217,10 @@ class AuthenticatedStateTransport(CheckpointTransport):
             response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline))
             response.begin()
             length = self._body_length(response, source)
+            # signed before the body is read: an unauthenticated source cannot make this worker read much
+            if not wire.verify(self._secret, response.getheader(LENGTH_MAC_HEADER), b"length", _step_bytes(step),
+                               nonce.encode(), str(length).encode()):
+                raise UnsafePayloadError(f"state transfer {source}: response not signed with this run's secret")
             return _read_body(response, length), response.getheader(MAC_HEADER)
 
     def _body_length(self, response: http.client.HTTPResponse, source: str) -> int:
@@ -265,9 +271,12 @@ class AuthenticatedStateTransport(CheckpointTransport):
             return step, nonce, (403, "request not signed with this run's secret")
         return step, nonce, None
 
-    def _refuse(self, handler: _Handler, code: int, reason: str) -> None:
+    def _count_refusal(self) -> None:
         with self._lock:
             self.refused += 1
+
+    def _refuse(self, handler: _Handler, code: int, reason: str) -> None:
+        self._count_refusal()
         log.warning("state request refused peer=%s path=%r code=%d reason=%s",
                     handler.client_address[0], handler.path[:80], code, reason)
         handler.close_connection = True
@@ -280,6 +289,8 @@ class AuthenticatedStateTransport(CheckpointTransport):
         handler.send_header("Content-Type", "application/octet-stream")
         handler.send_header("Content-Length", str(len(staged.payload)))
         handler.send_header(MAC_HEADER, mac)
+        handler.send_header(LENGTH_MAC_HEADER, wire.sign(self._secret, b"length", _step_bytes(staged.step),
+                                                         nonce.encode(), str(len(staged.payload)).encode()))
         handler.end_headers()
         # Since Python 3.5 a socket timeout bounds a whole sendall, so this is the rest of the deadline.
         handler.connection.settimeout(_left(handler.deadline))
@@ -299,6 +310,20 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a stuck connection never holds up shutdown or the interpreter's exit
     request_queue_size = 64
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # At most _MAX_CONNECTIONS threads: a flood of connections is turned away, not given a thread each.
+        if not self.slots.acquire(blocking=False):
+            self.transport._count_refusal()
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
     def __init__(self, bind: str, transport: AuthenticatedStateTransport) -> None:
         try:
             family, _, _, _, address = socket.getaddrinfo(bind, 0, type=socket.SOCK_STREAM)[0]
@@ -306,6 +331,7 @@ class _Server(ThreadingHTTPServer):
             raise ValueError(f"bind={bind!r} is not a host or IP of this machine: {error}") from error
         self.address_family = family
         self.transport = transport
+        self.slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         try:
             super().__init__(address, _Handler)
         except OSError as error:

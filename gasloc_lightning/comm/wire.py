@@ -168,6 +168,11 @@ def _check_leaf(path: str, leaf: Any, finite: bool) -> None:
         return
     if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.layout != torch.strided:
         raise UnsafePayloadError(f"{path}: {_describe(leaf)} is neither a dense tensor nor plain data")
+    if not leaf.is_contiguous() or leaf.storage_offset() or (
+            leaf.untyped_storage().nbytes() != leaf.numel() * leaf.element_size()):
+        # e.g. a stride-0 "expanded" tensor: a few stored bytes that claim any shape (an optimizer step on it
+        # raises, and checking it allocates the claimed size); a state a worker saves owns its storage
+        raise UnsafePayloadError(f"{path}: tensor of shape {tuple(leaf.shape)} does not own a dense storage")
     if finite and (leaf.is_floating_point() or leaf.is_complex()) and not bool(torch.isfinite(leaf).all()):
         raise UnsafePayloadError(f"{path}: tensor holds non-finite values")
 

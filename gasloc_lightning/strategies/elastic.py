@@ -44,6 +44,7 @@ DiLoCo's outer Nesterov step, see ``docs/algorithm.md`` section 2): :class:`Elas
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -80,8 +81,11 @@ class ElasticJoinError(RuntimeError):
     """A joining worker's model or hyperparameters differ from the running workers', or a peer's state is unsafe."""
 
 
-class ElasticLeave(RuntimeError):
-    """SIGTERM made this worker abandon its round (its grace ran out, or it was waiting for a quorum)."""
+class ElasticLeave(BaseException):
+    """SIGTERM made this worker abandon its round (its grace ran out, or it was waiting for a quorum).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: no ``except Exception`` on the way (torchft's, the quorum
+    retries) may take it for a failure to retry."""
 
 
 class ElasticGASLoCStrategy(GASLoCStrategy):
@@ -278,6 +282,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         )
         self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
         self._listen_for_sigterm()
+        if self._leave_requested_at is not None:
+            raise ElasticLeave("SIGTERM before joining")
         log.info("joining lighthouse=%s worker_id=%d round=%d bind=%s", self._membership.lighthouse,
                  self._membership.worker_id, self.round_index, self._membership.endpoint.bind)
         self._membership.connect()
@@ -316,15 +322,15 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         another's round all-reduce of the same size)."""
         trainer = self.lightning_module.trainer
         optimizer = self.optimizers[0]
-        group = optimizer.param_groups[0]
         callback = next((cb for cb in trainer.callbacks if isinstance(cb, GASLoCCallback)), None)
         return {
             "model": [self.layout.signature_digest(), self.layout.numel],
             "inner_steps": self.round_length, "outer_lr": self._outer_lr, "outer_momentum": self.outer_momentum,
             "outer_form": self._outer_form, "topology": self._topology.name, "seed": self._topology.seed,
             "optimizer": type(optimizer).__name__,
-            "optimizer_hyperparameters": {k: _plain(group[k]) for k in sorted(group)
-                                          if k not in ("params", "lr") and not isinstance(group[k], Tensor)},
+            # the constructor's, not the live group's: schedulers move lr, momentum and betas as they step
+            "optimizer_hyperparameters": {k: _plain(v) for k, v in sorted(optimizer.defaults.items())
+                                          if k != "lr" and not isinstance(v, Tensor)},
             # when collectives run: stop conditions, validation schedule, consensus measurements, quorum sizes
             "max_steps": trainer.max_steps, "max_epochs": trainer.max_epochs, "min_steps": trainer.min_steps,
             "limit_train_batches": _plain(trainer.limit_train_batches),
@@ -382,9 +388,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             self._check_like_own_strategy(state["strategy"])
             for index, (optimizer, received) in enumerate(zip(self.optimizers, state["optimizers"], strict=True)):
                 _check_optimizer_state(received, optimizer, f"peer.optimizers.{index}")
-            if len(state["schedulers"]) != len(self.lr_scheduler_configs):
-                raise UnsafePayloadError(f"peer.schedulers: {len(state['schedulers'])} expected "
-                                         f"{len(self.lr_scheduler_configs)}")
+            check_like(state["schedulers"], [config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+                       path="peer.schedulers")
+            _check_boundary(state["boundary"])
         except (UnsafePayloadError, ValueError, KeyError, TypeError) as error:
             raise ElasticJoinError(f"{self.membership.name} refused a peer's state (nothing was applied): "
                                    f"{error}") from error
@@ -395,9 +401,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         if not isinstance(received, dict) or set(received) != set(mine):
             raise UnsafePayloadError(f"peer.strategy: keys {sorted(received) if isinstance(received, dict) else '?'} "
                                      f"expected {sorted(mine)}")
-        for key in ("outer", "round_start_buffers"):  # the model-size tensors it carries
-            if mine[key] is not None and received[key] is not None:
-                check_like(received[key], mine[key], path=f"peer.strategy.{key}")
+        for key, value in mine.items():  # None here (not measured or kept yet on this worker): any plain value
+            if value is not None:
+                check_like(received[key], value, path=f"peer.strategy.{key}")
 
     def _refuse_if_different(self, theirs: dict[str, Any]) -> None:
         mine = self._signature()
@@ -431,6 +437,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         """At a boundary after a committed round: form the next quorum (healing this worker if it is behind)."""
         # (a finished worker never has one due: its steps are not counted, so no round ends)
         if not self._quorum_due or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._leave_requested_at is not None:  # SIGTERM after the round's commit: nothing left to finish
+            self._leave()
+            if boundary == _TRAIN:
+                raise StopIteration  # ends Lightning's epoch before this batch trains (the fit then stops)
             return
         self._quorum_due = False
         self._boundary = boundary
@@ -482,6 +493,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         if self._finished or self._left:
             return
         self._start_due_quorum(_AVERAGE)
+        if self._left:  # SIGTERM came after the last round: it keeps its own replica
+            return
         deadline = time.monotonic() + self.membership.quorum_timeout
         while True:
             failures = self.failed_collectives
@@ -495,6 +508,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     def _regroup_for_average(self) -> bool:
         """After a failed end-of-fit average (a member died in it): a new quorum of the survivors."""
+        if self._leave_requested_at is not None:
+            return False
         log.warning("end-of-fit average failed worker=%s: averaging again over the survivors", self.membership.name)
         self.membership.commit(self.round_index, self._transport.take_error())
         try:
@@ -509,7 +524,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def peers(self, round_index: int | None = None) -> dict[int, float]:
         """This worker's peers in the current quorum (indices in its sorted member list) and weights w_ij."""
         quorum = self.quorum
-        if quorum.size <= 1:
+        if quorum.size <= 1 or not quorum.usable:  # e.g. larger than max_workers: no graph of that size
             return {}
         t = quorum.max_step if round_index is None else round_index  # identical on every member
         return self._topology.mixing_weights(quorum.index, quorum.size, t)
@@ -571,7 +586,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             self._leave_requested_at = time.monotonic()
             log.warning("SIGTERM worker=%s: leaving after this round (leave_grace_s=%g)",
                         self._membership.name if self._membership else "?", self._leave_grace_s)
-        if self._membership is not None and self._membership.waiting:  # no round to finish: nobody waits on us
+        if self._membership is not None and self._membership.waiting:
+            # No round of its own to finish; if its request already made a quorum, that round's peers count one
+            # failed exchange with it.
             raise ElasticLeave("SIGTERM while waiting for a quorum: left without a round to finish")
 
     def _abandon_if_grace_is_over(self) -> None:
@@ -694,6 +711,7 @@ def _check_optimizer_state(received: Any, optimizer: torch.optim.Optimizer, path
     mine = optimizer.state_dict()
     if not isinstance(received, dict) or set(received) != set(mine):
         raise UnsafePayloadError(f"{path}: keys expected {sorted(mine)}")
+    check_like(received["param_groups"], mine["param_groups"], path=f"{path}.param_groups")
     groups = received["param_groups"]
     if len(groups) != len(mine["param_groups"]) or any(
             list(theirs.get("params", ())) != list(own["params"]) for theirs, own in zip(groups, mine["param_groups"])):
@@ -703,15 +721,24 @@ def _check_optimizer_state(received: Any, optimizer: torch.optim.Optimizer, path
     for index, entry in received["state"].items():
         if index not in shapes or not isinstance(entry, dict):
             raise UnsafePayloadError(f"{path}.state.{index}: no such parameter")
-        for name, value in entry.items():
-            if isinstance(value, Tensor) and value.dim() and value.shape != shapes[index]:
-                raise UnsafePayloadError(f"{path}.state.{index}.{name}: shape {tuple(value.shape)} expected "
-                                         f"{tuple(shapes[index])}")
+        for name, value in entry.items():  # per-parameter statistics: at most the parameter's size (Adafactor
+            # keeps a row and a column vector, Adam a full copy, step counts are scalars)
+            if isinstance(value, Tensor) and value.numel() > max(1, math.prod(shapes[index])):
+                raise UnsafePayloadError(f"{path}.state.{index}.{name}: shape {tuple(value.shape)} is larger than "
+                                         f"its parameter's {tuple(shapes[index])}")
+
+
+def _check_boundary(boundary: Any) -> None:
+    """Where the serving peer is: one of the four boundaries, a step and whether its fit ends there."""
+    if (not isinstance(boundary, dict) or set(boundary) != {"at", "step", "ending"}
+            or boundary["at"] not in (_START, _TRAIN, _VALIDATE, _AVERAGE) or type(boundary["step"]) is not int
+            or boundary["step"] < 0 or type(boundary["ending"]) is not bool):
+        raise UnsafePayloadError(f"peer.boundary: {boundary!r} is not a boundary")
 
 
 def _cloned(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().clone()
+    if isinstance(value, Tensor):  # contiguous: a receiver accepts only tensors that own a dense storage
+        return value.detach().clone(memory_format=torch.contiguous_format)
     if isinstance(value, dict):
         return {key: _cloned(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

@@ -109,10 +109,16 @@ def _load_prctl() -> Any:
 _PRCTL = _load_prctl()
 
 
-def set_parent_death_signal() -> None:
-    """Linux: this process gets SIGKILL when its parent dies (also usable as a ``subprocess`` ``preexec_fn``)."""
+def set_parent_death_signal(parent: int | None = None) -> None:
+    """Linux: this process gets SIGKILL when its parent dies (also usable as a ``subprocess`` ``preexec_fn``).
+
+    Args:
+        parent: the pid of the expected parent; if it is already gone when the signal is armed, exit at once.
+    """
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
 
 
 def _watch_parent(parent: int) -> None:
