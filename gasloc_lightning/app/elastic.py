@@ -27,6 +27,7 @@ and the lighthouse also exit by themselves if the launcher is killed (parent-dea
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os

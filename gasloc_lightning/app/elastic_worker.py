@@ -129,12 +129,12 @@ _MISSING = object()
 def load_worker_config(config_path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """A worker config file with ``KEY=VALUE`` overrides merged in (each key must exist in the file)."""
     cfg = OmegaConf.load(config_path)
-    for override in overrides:
-        key, sep, _ = override.partition("=")
+    for entry in overrides:
+        key, sep, _ = entry.partition("=")
         if not sep or not key:
-            raise ValueError(f"worker override {override!r}: expected KEY=VALUE, e.g. strategy.worker_id=3")
+            raise ValueError(f"worker override {entry!r}: expected KEY=VALUE, e.g. strategy.worker_id=3")
         if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
-            raise ValueError(f"worker override {override!r}: {key} is not a key of {config_path}")
+            raise ValueError(f"worker override {entry!r}: {key} is not a key of {config_path}")
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
 
 
