@@ -62,24 +62,24 @@ def _start_lighthouse(min_workers: int) -> tuple[subprocess.Popen, str]:
     return process, address
 
 
-@pytest.fixture
-def lighthouse_process():
-    """A ``torchft_lighthouse`` process (min 1 worker, 1 s heartbeat timeout); stopped by pid."""
-    process, address = _start_lighthouse(1)
+def _lighthouse(min_workers: int):
+    process, address = _start_lighthouse(min_workers)
     yield process, address
     if process.poll() is None:
         process.kill()
     process.wait()
+
+
+@pytest.fixture
+def lighthouse_process():
+    """A ``torchft_lighthouse`` process (min 1 worker, 1 s heartbeat timeout); stopped by pid."""
+    yield from _lighthouse(1)
 
 
 @pytest.fixture
 def lighthouse_of_two():
     """A lighthouse that forms no quorum below 2 workers: a lone worker's quorum request really times out."""
-    process, address = _start_lighthouse(2)
-    yield process, address
-    if process.poll() is None:
-        process.kill()
-    process.wait()
+    yield from _lighthouse(2)
 
 
 @pytest.mark.timeout(30)

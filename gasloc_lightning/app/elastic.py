@@ -58,7 +58,7 @@ from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.membership import lighthouse_reachable
 from gasloc_lightning.comm.wire import SECRET_ENV, new_secret
-from gasloc_lightning.strategies.launcher import set_parent_death_signal
+from gasloc_lightning.strategies.launcher import set_parent_death_signal, terminate
 
 log = logging.getLogger(__name__)
 
@@ -223,21 +223,6 @@ def _start_process(command: list[str], log_path: Path, env: dict[str, str], **po
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 **popen)
-
-
-def _terminate(processes: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGCONT (a stopped process cannot act on SIGTERM), SIGTERM, then SIGKILL what still runs after ``grace_s``."""
-    processes = [process for process in processes if process.poll() is None]
-    for process in processes:
-        process.send_signal(signal.SIGCONT)
-        process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @dataclass
@@ -602,10 +587,10 @@ class ElasticRun:
         for record in running:
             record.ended_by = record.ended_by or "stopped"
         spares = [record.spare for record in self.workers if record.spare is not None]
-        _terminate([record.process for record in running] + spares, _STOP_GRACE_S)
+        terminate([record.process for record in running] + spares, _STOP_GRACE_S)
         self._reap()
         if self.lighthouse is not None:
-            _terminate([self.lighthouse], _STOP_GRACE_S)
+            terminate([self.lighthouse], _STOP_GRACE_S)
 
     def clean_up(self) -> None:
         """Remove the launcher's hand-over files (spare releases, their ready marks) and torn progress writes."""

@@ -64,17 +64,26 @@ class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
 
     def stop_workers(self) -> None:
         """Stop every worker process still running: SIGTERM, then SIGKILL after ``grace_s``."""
-        running = [proc for proc in self.procs if proc.poll() is None]
-        for proc in running:
-            log.info("stopping worker process pid=%d", proc.pid)
-            proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        for proc in running:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for proc in self.procs:
+            if proc.poll() is None:
+                log.info("stopping worker process pid=%d", proc.pid)
+        terminate(self.procs, self.grace_s)
+
+
+def terminate(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """Stop ``processes`` by pid: SIGCONT (a stopped process cannot act on SIGTERM), SIGTERM, then SIGKILL what
+    still runs ``grace_s`` later."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGCONT)
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in running:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def exit_with_parent() -> None:
