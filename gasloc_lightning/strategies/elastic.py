@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -175,6 +176,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._leave_requested_at: float | None = None  # when SIGTERM arrived
         self._left = False  # this worker left the run (its replica is its own from then on)
         self._previous_sigterm: Any = None
+        self._grace_timer: threading.Timer | None = None  # sends SIGTERM again when leave_grace_s is over
         self._reset_boundary_state()
 
     def _reset_boundary_state(self) -> None:
@@ -586,10 +588,18 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             self._leave_requested_at = time.monotonic()
             log.warning("SIGTERM worker=%s: leaving after this round (leave_grace_s=%g)",
                         self._membership.name if self._membership else "?", self._leave_grace_s)
-        if self._membership is not None and self._membership.waiting:
-            # No round of its own to finish; if its request already made a quorum, that round's peers count one
-            # failed exchange with it.
-            raise ElasticLeave("SIGTERM while waiting for a quorum: left without a round to finish")
+            # A quorum being formed may already count this worker: it then trains that round and leaves at its end.
+            # If the wait outlasts the grace, this signal comes again and abandons it.
+            self._grace_timer = threading.Timer(self._leave_grace_s, os.kill, (os.getpid(), signal.SIGTERM))
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
+            return
+        over = time.monotonic() - self._leave_requested_at >= self._leave_grace_s - 0.01
+        if over and self._membership is not None and self._membership.waiting:
+            # No round of its own in progress; if its request made a quorum, that round's peers count one failed
+            # exchange with it.
+            raise ElasticLeave(f"SIGTERM {self._leave_grace_s:g}s ago (leave_grace_s) and still waiting for a "
+                               "quorum: left without a round to finish")
 
     def _abandon_if_grace_is_over(self) -> None:
         if self._leave_requested_at is None or time.monotonic() - self._leave_requested_at <= self._leave_grace_s:
@@ -606,6 +616,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
                  self.lightning_module.trainer.global_step)
 
     def _restore_sigterm_handler(self) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
         self._previous_sigterm = None
