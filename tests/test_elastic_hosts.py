@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
 from gasloc_lightning.comm.membership import lighthouse_reachable  # noqa: E402
 from gasloc_lightning.comm.wire import SECRET_ENV  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
-from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV  # noqa: E402
+from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV, terminate  # noqa: E402
 from net_utils import listening_sockets  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -111,20 +110,6 @@ def _sample_until_exit(workers: list[subprocess.Popen], lighthouse: subprocess.P
         time.sleep(0.2)
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
-    """By pid: SIGTERM, then SIGKILL what is left 10 s later."""
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _tail(folder: Path) -> str:
     log = folder / "worker.log"
     return log.read_text(errors="replace")[-3000:] if log.exists() else "(no worker.log)"
@@ -157,7 +142,7 @@ def test_workers_on_two_hosts_listen_on_their_own_address_only_and_finish_on_one
         codes = {worker: process.poll() for worker, process in workers.items()}
         elapsed = time.monotonic() - started
     finally:
-        _stop([*workers.values(), lighthouse])
+        terminate([*workers.values(), lighthouse], grace_s=10.0)
     everyone = [*workers.values(), lighthouse]
     alive = [p.pid for p in everyone if p.returncode is None or Path(f"/proc/{p.pid}").exists()]
     assert not alive, f"processes left running: {alive}"
