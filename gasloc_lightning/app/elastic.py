@@ -55,7 +55,7 @@ from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
-from gasloc_lightning.comm.endpoints import Endpoint
+from gasloc_lightning.comm.endpoints import Endpoint, host_port
 from gasloc_lightning.comm.membership import lighthouse_reachable
 from gasloc_lightning.comm.wire import SECRET_ENV, new_secret
 from gasloc_lightning.strategies.launcher import set_parent_death_signal, terminate
@@ -182,11 +182,6 @@ def launcher_endpoint(elastic: DictConfig) -> Endpoint:
         return Endpoint(bind=elastic.bind, advertise=elastic.advertise)
     except ValueError as error:
         raise ValueError(f"elastic.bind={elastic.bind!r}, elastic.advertise={elastic.advertise!r}: {error}") from None
-
-
-def host_port(host: str, port: int) -> str:
-    """``HOST:PORT``, an IPv6 literal in brackets (``[::1]:29510``)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _local_address(endpoint: Endpoint) -> str:

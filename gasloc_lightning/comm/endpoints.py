@@ -73,6 +73,11 @@ def _host_port_form(host: str) -> str:
     return f"[{host}]" if address is not None and address.version == 6 else host
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 literal in brackets (``[::1]:29510``)."""
+    return f"{_host_port_form(host)}:{port}"
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """The IP a worker's services listen on, and the address its peers reach them at.
