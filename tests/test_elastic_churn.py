@@ -108,7 +108,7 @@ def test_a_worker_rejoining_where_the_others_validate_takes_part_and_nothing_tim
     """Validation every round: the restarted worker joins at a validation boundary. It must take part in the
     others' consensus average (else their all-reduce times out and they evaluate their own replicas), and from
     then on every worker validates the same consensus model."""
-    steps = 200  # a released restart takes a few seconds to join (~30 to ~110 steps of this tiny run)
+    steps = 400  # a held restart builds its trainer while three workers train on 2 cores: 20 s under load
     base = [o for o in FAST if not o.startswith(("trainer.max_steps=", "trainer.val_check_interval="))]
     summary = _run([*base, f"trainer.max_steps={steps}", "trainer.val_check_interval=5",
                     "elastic.chaos=[kill:2@12,restart:2@20]"], tmp_path, cache_dir)

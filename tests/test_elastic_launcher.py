@@ -328,9 +328,9 @@ def test_min_workers_never_met_fails_clearly(tmp_path, cache_dir):
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_elastic_diloco_end_to_end(tmp_path, cache_dir):
-    """elastic.method=diloco with a kill and a restart: all three end at max_steps on one model. (150 steps: a
-    released restart takes a few seconds to join, 30 to 110 steps of this tiny model on the 2-core machine.)"""
-    steps = 150
+    """elastic.method=diloco with a kill and a restart: all three end at max_steps on one model. (300 steps: a held
+    restart builds its trainer while the others train: up to ~20 s on the loaded 2-core machine.)"""
+    steps = 300
     summary = _run(["elastic.method=diloco", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
                     "elastic.chaos=[kill:2@10,restart:2@20]"], tmp_path, cache_dir)
     rows = _rows(summary)
