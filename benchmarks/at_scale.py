@@ -227,7 +227,7 @@ def networks(workers: int, rounds: int, inner_steps: int) -> dict:
                 "gasloc_one_peer": ["strategy=gasloc", "topology=one_peer", f"trainer.max_steps={gasloc_steps}"],
                 "gasloc_bw_spread_overlap_bf16": [
                     "strategy=gasloc", "topology=bandwidth_aware", "topology.schedule=spread", "overlap=true",
-                    "strategy.message_dtype=bfloat16", "strategy.outer_momentum=0.7",
+                    "strategy.message_codec=bfloat16", "strategy.outer_momentum=0.7",
                     f"trainer.max_steps={gasloc_steps}"],
             }
             runs = {}

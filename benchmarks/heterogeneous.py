@@ -109,7 +109,7 @@ def methods(network: NetworkModel, inner_steps: int, overlap_momentum: float | N
         spread = {"kind": "gasloc", "topology": "bandwidth_aware", "schedule": "spread", **overlap, **steps}
         table["gasloc/bw-aware"] = {"kind": "gasloc", "topology": "bandwidth_aware", **steps}
         table["gasloc/bw-spread+overlap"] = spread
-        table["gasloc/bw-spread+overlap+bf16"] = {**spread, "message_dtype": "bfloat16"}
+        table["gasloc/bw-spread+overlap+bf16"] = {**spread, "message_codec": "bfloat16"}
     return table
 
 

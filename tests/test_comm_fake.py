@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import gasloc_lightning.comm.transport as transport_module
-from gasloc_lightning.comm.exchange import CorrectionExchange
 from gasloc_lightning.comm.transport import GossipTimeoutError, GossipTransport
 
 
@@ -109,55 +108,3 @@ def test_all_reduce_mean_counts_a_ring_all_reduce(fake):
     transport.all_reduce_mean(tensor)
     assert torch.equal(tensor, torch.full((6,), 2.0))
     assert transport.counters.bytes_sent == 2 * 3 * 24 // 4  # 2 (n - 1) / n of 24 bytes
-
-
-class FakeTransport:
-    """What CorrectionExchange needs of a transport: each peer answers with a fixed point."""
-
-    def __init__(self, peer_points: dict[int, torch.Tensor], dtype=torch.float32):
-        self.device = torch.device("cpu")
-        self.peer_points = peer_points
-        self.dtype = dtype
-        self.posted: list[torch.Tensor] = []
-
-    def post(self, message, peers, round_index, clock=None):
-        self.posted.append(message.clone())
-        return SimpleNamespace(round_index=round_index, peers=dict(peers),
-                               received=[(w, self.peer_points[p].to(self.dtype)) for p, w in sorted(peers.items())],
-                               peer_clock_values=lambda: {})
-
-    def complete(self, pending):
-        return pending.received
-
-
-def accept_all(received, peers):
-    return received
-
-
-def test_synchronous_correction_is_the_gossip_step():
-    u_self, u_peer = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])
-    exchange = CorrectionExchange(FakeTransport({1: u_peer}), 2, torch.float32, overlap=False, accept=accept_all)
-    correction = exchange.exchange(u_self, {1: 0.5}, round_index=0)
-    assert torch.equal(u_self + correction, (u_self + u_peer) / 2)
-
-
-def test_bfloat16_correction_uses_the_own_rounded_message_so_the_pair_mean_is_kept():
-    a, b = torch.tensor([1.001, -2.003]), torch.tensor([0.3337, 5.0011])
-    corrections = []
-    for mine, theirs in ((a, b), (b, a)):
-        exchange = CorrectionExchange(FakeTransport({1: theirs}, dtype=torch.bfloat16), 2, torch.bfloat16,
-                                      overlap=False, accept=accept_all)
-        corrections.append(exchange.exchange(mine, {1: 0.5}, round_index=0).clone())
-    assert torch.allclose(corrections[0], -corrections[1])  # antisymmetric: (a + b) / 2 is preserved exactly
-    assert torch.allclose(a + corrections[0], (a + b) / 2, atol=2e-2)
-
-
-def test_overlap_folds_the_previous_correction_into_the_point_it_posts():
-    transport = FakeTransport({1: torch.tensor([4.0, 4.0])})
-    exchange = CorrectionExchange(transport, 2, torch.float32, overlap=True, accept=accept_all, delayed_weight=0.5)
-    first = exchange.fold_and_post(torch.tensor([0.0, 2.0]), {1: 0.5}, round_index=0)
-    assert torch.equal(first, torch.tensor([0.0, 2.0]))  # nothing to fold in yet
-    second = exchange.fold_and_post(torch.tensor([1.0, 1.0]), {1: 0.5}, round_index=1)
-    # C(0) = beta * w * (m_peer - m_self) = 0.5 * 0.5 * ([4, 4] - [0, 2]) = [1, 0.5]
-    assert torch.equal(second, torch.tensor([2.0, 1.5]))
-    assert torch.equal(transport.posted[-1], second)  # the point moved to is the point sent

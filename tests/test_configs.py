@@ -195,7 +195,7 @@ def test_text_data_without_a_path_says_which_key(tmp_path):
 def test_two_cluster_scenario_builds_the_documented_gasloc(tmp_path):
     """The overrides its comment gives: spread bandwidth-aware peers, overlap, bf16 messages, gamma 0.7."""
     text = (CONF / "experiment" / "scenario_two_clusters.yaml").read_text()
-    documented = "strategy.message_dtype=bfloat16 strategy.outer_momentum=0.7"
+    documented = "strategy.message_codec=bfloat16 strategy.outer_momentum=0.7"
     assert documented in text
     cfg = compose_config(["experiment=scenario_two_clusters", *documented.split()], output_dir=tmp_path)
     strategy = instantiate(cfg.strategy)

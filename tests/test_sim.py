@@ -56,7 +56,7 @@ def test_bfloat16_round_keeps_each_rounding_residual_and_the_mean():
     points = _points()
     u = points.clone()
     rounds = GossipRounds(initial=points.clone(), topology=topology, outer_lr=1.0, outer_momentum=0.0,
-                          message_dtype="bfloat16", clocks=WorkerClocks(None, 6))
+                          message_codec="bfloat16", clocks=WorkerClocks(None, 6))
     rounds.communicate(points, 0, list(range(6)))
     m = u.bfloat16().float()
     torch.testing.assert_close(points, topology.mixing_matrix(6, 0).float() @ m + (u - m), rtol=1e-6, atol=1e-6)

@@ -23,7 +23,7 @@ CASES = {
     "one_peer": ["strategy=gasloc", "topology=one_peer"],
     "ring": ["strategy=gasloc", "topology=ring"],
     "complete": ["strategy=gasloc", "topology=complete"],
-    "overlap_bf16": ["strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.message_dtype=bfloat16"],
+    "overlap_bf16": ["strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.message_codec=bfloat16"],
     "diloco": ["strategy=diloco"],
     "local": ["strategy=local"],
     "uneven_h": ["strategy=gasloc", "topology=one_peer", "inner_steps=[2,1,2,1]"],  # H_i: cohorts

@@ -84,7 +84,7 @@ class GASLoCStrategySchema(LocalStepsSchema):
     seed: int = 0
     overlap: bool = False
     delayed_weight: float = 1.0
-    message_dtype: str = "float32"
+    message_codec: str = "float32"  # float32, bfloat16, int8, fp8, int4, int2
 
 
 @dataclass

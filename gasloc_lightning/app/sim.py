@@ -189,7 +189,7 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     if kind == "gasloc":
         rounds: Any = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
                                    outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
-                                   delayed_weight=strategy.delayed_weight, message_dtype=strategy.message_dtype,
+                                   delayed_weight=strategy.delayed_weight, message_codec=strategy.message_codec,
                                    clocks=clocks)
     else:
         rounds = DiLoCoRounds(initial=replicas.gather(), outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks)

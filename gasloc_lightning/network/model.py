@@ -246,15 +246,18 @@ class NetworkModel:
             raise ValueError(f"a rank has no link to itself: i = j = {i}")
         return self._bandwidth[a][b] * BYTES_PER_GBIT, self._latency[a][b]
 
-    def message_bytes(self, element_size: int | None = None) -> int:
+    def message_bytes(self, element_size: float | None = None) -> int:
         """Bytes of one modelled model message.
 
         Args:
-            element_size: bytes per element of the message (2 for bf16 messages); default
-                ``bytes_per_parameter``.
+            element_size: bytes per element of the message on the wire (2 for bf16 messages, about 1.03 for
+                int8 with its per-block scales); default ``bytes_per_parameter``.
         """
-        size = self._bytes_per_parameter if element_size is None else _positive_int("element_size", element_size)
-        return self._model_parameters * size
+        if element_size is None:
+            return self._model_parameters * self._bytes_per_parameter
+        if isinstance(element_size, bool) or not isinstance(element_size, (int, float)) or not element_size > 0:
+            raise ValueError(f"element_size must be a number of bytes > 0, got {element_size!r}")
+        return math.ceil(self._model_parameters * element_size)
 
     def step_time(self, rank: int) -> float:
         """Modelled time of one inner step on ``rank``: ``step_time_s / speeds[rank]``."""

@@ -1,13 +1,11 @@
 """The communication round on stacked points: GASLoC's gossip (and the local baseline) and DiLoCo.
 
-Each class does, for every live worker at once, what the multi-process strategy does on one rank
-(``strategies/gasloc.py`` ``_communicate`` and ``strategies/diloco.py``), with the same math modules:
-the outer step is :class:`~gasloc_lightning.algorithm.outer.OuterState` on ``(n, P)`` tensors (its
-updates are elementwise), mixing is :func:`~gasloc_lightning.algorithm.outer.mix` row by row with the
-topology's weights over the live set, bfloat16 messages and overlap go through
-:func:`~gasloc_lightning.comm.exchange.gossip_correction`, and every worker keeps its own
-:class:`~gasloc_lightning.network.SimulatedClock`, advanced as the strategy advances it (post with
-the own clock, complete with the peers' clocks at post and the round's pairs).
+Each class does, for every live worker at once, what the multi-process strategy does on one rank,
+with the strategies' own round (:mod:`gasloc_lightning.algorithm.round`) on ``(n, P)`` rows: the
+outer step, codec and overlap act on every row at once, mixing and corrections row by row with the
+topology's weights over the live set; the wire of worker j is row j of the stacked wire. Every
+worker keeps its own :class:`~gasloc_lightning.network.SimulatedClock`, advanced as the strategy
+advances it (post with the own clock, complete with the peers' clocks at post and the round's pairs).
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gasloc_lightning.algorithm.outer import OuterState, mix
-from gasloc_lightning.comm.exchange import MESSAGE_DTYPES, gossip_correction, wire_message
+from gasloc_lightning.algorithm.round import DiLoCoRound, GossipRound, check_codec
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.network import NetworkModel, SimulatedClock
 from gasloc_lightning.topology import Topology
@@ -93,13 +90,16 @@ def _pairs(peers: dict[int, dict[int, float]]) -> list[tuple[int, int]]:
 class GossipRounds:
     """GASLoC's round (and the local baseline: the ``local`` topology) on the stacked points.
 
+    The arithmetic is :class:`~gasloc_lightning.algorithm.round.GossipRound`'s, on ``(n, P)`` rows; this
+    class moves the wires between rows and keeps the clocks and byte counters.
+
     Args:
         initial: (n, P) float32 starting points (every row equal).
         topology: the gossip graph; its weights are taken over the live workers of each round.
         outer_lr, outer_momentum, outer_form: eta, gamma and the form of the outer step.
-        overlap: fold each exchange in one round late (see :mod:`gasloc_lightning.comm.exchange`).
+        overlap: fold each exchange in one round late.
         delayed_weight: beta, the scale of the late correction (overlap only).
-        message_dtype: ``"float32"`` or ``"bfloat16"`` on the wire.
+        message_codec: how messages go on the wire (see :mod:`gasloc_lightning.algorithm.codecs`).
         clocks: the workers' simulated clocks.
     """
 
@@ -113,93 +113,78 @@ class GossipRounds:
         outer_form: str = "anchored",
         overlap: bool = False,
         delayed_weight: float = 1.0,
-        message_dtype: str = "float32",
+        message_codec: str = "float32",
         clocks: WorkerClocks,
     ) -> None:
-        if message_dtype not in MESSAGE_DTYPES:
-            raise ValueError(f"message_dtype must be one of {sorted(MESSAGE_DTYPES)}, got {message_dtype!r}")
-        if not 0.0 < delayed_weight <= 1.0:
-            raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
-        if topology.uses_all_reduce and (overlap or message_dtype != "float32"):
-            raise ValueError("overlap and bfloat16 messages apply to point-to-point gossip, not topology='complete'")
+        check_codec(message_codec)
+        if topology.uses_all_reduce and (overlap or message_codec != "float32"):
+            raise ValueError("overlap and lossy codecs apply to point-to-point gossip, not topology='complete'")
         self.topology, self.clocks = topology, clocks
-        self.outer = OuterState(initial, outer_lr, outer_momentum, outer_form)
-        self.wire_dtype = MESSAGE_DTYPES[message_dtype]
-        self.overlap = bool(overlap)
-        self._scale = float(delayed_weight) if overlap else 1.0
-        workers, numel = initial.shape
-        self.bytes_sent = torch.zeros(workers, dtype=torch.float64)
-        self._by_correction = self.overlap or self.wire_dtype != torch.float32
-        self._correction = torch.zeros_like(self.outer.round_start) if self._by_correction else None
-        self._ready = torch.zeros(workers, dtype=torch.bool)  # row i holds a correction not yet applied
-        self._points = torch.empty_like(self.outer.round_start) if self.overlap else None
+        self.round = GossipRound(initial, initial.shape[1], outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                 outer_form=outer_form, message_codec=message_codec, overlap=overlap,
+                                 delayed_weight=delayed_weight)
+        self.outer = self.round.outer
+        self.overlap = self.round.overlap
+        self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
+        self.rejected = 0  # messages refused as non-finite
 
     @torch.no_grad()
     def communicate(self, flat: Tensor, round_index: int, live: Sequence[int]) -> None:
         """End round t: ``flat`` holds thetaH_i (rows of live workers) and receives theta_i'."""
-        outer = self.outer
-        outer.message(flat)  # u_i (z_i for post_mix), every row
-        mixed = outer.mixed_destination()
+        round_ = self.round
+        if self.overlap:
+            self.clocks.complete()  # the previous round's exchange ends (in simulated time) now
+            self._complete_in_flight()
+        wire = round_.begin(flat)
         if self.topology.uses_all_reduce:
-            self._all_reduce(flat, mixed, live)
+            self._all_reduce(flat, live)
         else:
             peers = round_peers(self.topology, live, round_index)
-            if self._by_correction:
-                self._mix_by_correction(flat, mixed, peers, live)
-            else:
-                self._post(peers, live)
+            self._post(peers, live)
+            if self.overlap:
+                self._in_flight = (wire, peers, list(live))
                 for i in live:
-                    mix(flat[i], [(w, flat[j]) for j, w in sorted(peers[i].items())], out=mixed[i])
+                    round_.hold(flat, row=i)
+            else:
+                for i in live:
+                    self._receive(flat, wire, peers, i)
+                    if round_.by_correction:
+                        round_.apply_correction(flat, row=i)
                 self.clocks.complete()
-        flat.copy_(outer.finish(flat, mixed))
+        round_.finish(flat)
+
+    _in_flight: tuple[Tensor, dict[int, dict[int, float]], list[int]] | None = None
+
+    def _receive(self, flat: Tensor, wire: Tensor, peers: dict[int, dict[int, float]], i: int) -> None:
+        received = [(w, wire[j]) for j, w in sorted(peers[i].items())]
+        if self.round.by_correction:
+            self.rejected += len(self.round.correct(received, row=i))
+        else:
+            self.rejected += len(self.round.mix(flat, received, row=i))
+
+    def _complete_in_flight(self) -> None:
+        if self._in_flight is None:
+            return
+        wire, peers, live = self._in_flight
+        self._in_flight = None
+        for i in live:
+            self._receive(None, wire, peers, i)  # by correction: the point is not read
 
     def _post(self, peers: dict[int, dict[int, float]], live: Sequence[int]) -> None:
-        nbytes = self.outer.round_start.shape[1] * self.wire_dtype.itemsize
+        round_ = self.round
         for i in live:
-            self.bytes_sent[i] += nbytes * len(peers[i])
+            self.bytes_sent[i] += round_.wire_bytes * len(peers[i])
         network = self.clocks.network
-        wire_bytes = network.message_bytes(element_size=self.wire_dtype.itemsize) if network is not None else 0
+        wire_bytes = network.message_bytes(element_size=round_.bytes_per_element) if network is not None else 0
         self.clocks.post(live, peers, _pairs(peers), wire_bytes)
 
-    def _all_reduce(self, flat: Tensor, mixed: Tensor, live: Sequence[int]) -> None:
+    def _all_reduce(self, flat: Tensor, live: Sequence[int]) -> None:
         index = torch.as_tensor(list(live))
         mean = flat.index_select(0, index).sum(dim=0).div_(len(live))  # as the all-reduce: a sum, then / n
         flat[index] = mean
-        mixed[index] = mean
+        self.round.mixed[index] = mean
         self.bytes_sent[index] += ring_all_reduce_bytes(flat.shape[1] * 4, len(live))
         self.clocks.all_reduce(live)
-
-    def _mix_by_correction(self, flat: Tensor, mixed: Tensor, peers: dict[int, dict[int, float]],
-                           live: Sequence[int]) -> None:
-        """theta' = u + C (bfloat16 messages), or with overlap p = u + beta C(t-1), posted as the next message."""
-        correction = self._correction
-        if self.overlap:
-            self.clocks.complete()  # the previous round's exchange ends (in simulated time) now
-            points = self._points
-            for i in live:
-                if self._ready[i]:
-                    torch.add(correction[i], flat[i], out=points[i])  # p = C(t-1) + u
-                else:
-                    points[i].copy_(flat[i])
-            self._ready.zero_()
-            sent = points
-        else:
-            sent = flat
-        self._post(peers, live)
-        wire = wire_message(sent, self.wire_dtype)
-        for i in live:
-            received = [(w, wire[j]) for j, w in sorted(peers[i].items())]
-            if received:
-                gossip_correction(wire[i], received, self._scale, out=correction[i])
-            if self.overlap:
-                self._ready[i] = bool(received)
-                mixed[i].copy_(sent[i])
-            elif received:
-                torch.add(flat[i], correction[i], out=mixed[i])
-            else:
-                mixed[i].copy_(flat[i])
-        if not self.overlap:
-            self.clocks.complete()
 
     @torch.no_grad()
     def flush(self, flat: Tensor) -> None:
@@ -207,22 +192,19 @@ class GossipRounds:
         if not self.overlap:
             return
         self.clocks.complete()
-        rows = self._ready.nonzero().flatten()
-        flat[rows] += self._correction[rows]
-        self.outer.round_start[rows] += self._correction[rows]
-        self._ready.zero_()
+        self._complete_in_flight()
+        self.round.flush(flat)
 
     @torch.no_grad()
     def join(self, worker: int, source: int) -> None:
         """A joining worker takes its source peer's outer state (round start and anchor)."""
-        for buffer in (self.outer.round_start, self.outer.anchor):
-            buffer[worker].copy_(buffer[source])
+        self.round.join(worker, source)
         self.bytes_sent[worker] += self.outer.round_start.shape[1] * 4 * 2  # the state it was sent
 
 
 class DiLoCoRounds:
     """DiLoCo's round on the stacked points: the mean pseudo-gradient of the live workers steps one
-    shared round start with ``torch.optim.SGD(lr=eta, momentum=gamma, nesterov=gamma > 0)``.
+    shared round start (:class:`~gasloc_lightning.algorithm.round.DiLoCoRound`).
 
     Args:
         initial: (n, P) float32 starting points (every row equal).
@@ -231,20 +213,19 @@ class DiLoCoRounds:
     """
 
     def __init__(self, *, initial: Tensor, outer_lr: float, outer_momentum: float, clocks: WorkerClocks) -> None:
-        self.round_start = torch.nn.Parameter(initial[0].clone())
-        self.optimizer = torch.optim.SGD([self.round_start], lr=outer_lr, momentum=outer_momentum,
-                                         nesterov=outer_momentum > 0)
+        self.round = DiLoCoRound(initial[0], outer_lr=outer_lr, outer_momentum=outer_momentum)
         self.clocks = clocks
         self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
+
+    @property
+    def round_start(self) -> Tensor:
+        return self.round.round_start
 
     @torch.no_grad()
     def communicate(self, flat: Tensor, round_index: int, live: Sequence[int]) -> None:
         index = torch.as_tensor(list(live))
-        delta = torch.sub(self.round_start, flat.index_select(0, index))  # (m, P) pseudo-gradients
-        self.round_start.grad = delta.sum(dim=0).div_(len(live))
-        self.optimizer.step()
-        self.round_start.grad = None
-        flat[index] = self.round_start.detach()
+        delta = self.round.pseudo_gradient(flat.index_select(0, index))  # (m, P) pseudo-gradients
+        flat[index] = self.round.step(delta.sum(dim=0).div_(len(live)))
         self.bytes_sent[index] += ring_all_reduce_bytes(flat.shape[1] * 4, len(live))
         self.clocks.all_reduce(live)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
+from gasloc_lightning.algorithm.round import DiLoCoRound
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 
 
@@ -45,8 +45,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
         super().__init__(inner_steps=inner_steps, **kwargs)
         self._outer_lr = float(outer_lr)
         self._outer_momentum = float(outer_momentum)
-        self._round_start: nn.Parameter | None = None
-        self._outer_optimizer: torch.optim.SGD | None = None
+        self._round: DiLoCoRound | None = None
 
     @property
     def outer_lr(self) -> float:
@@ -59,51 +58,40 @@ class DiLoCoStrategy(LocalStepsStrategy):
     @override
     def _init_outer_state(self) -> None:
         params, _ = self.layout.split(self.layout.read())
-        self._round_start = nn.Parameter(params.clone())
-        momentum = self._outer_momentum
-        self._outer_optimizer = torch.optim.SGD(
-            [self._round_start], lr=self._outer_lr, momentum=momentum, nesterov=momentum > 0
-        )
+        self._round = DiLoCoRound(params, outer_lr=self._outer_lr, outer_momentum=self._outer_momentum)
 
     @override
     @torch.no_grad()
     def _communicate(self) -> None:
-        assert self._round_start is not None and self._transport is not None
+        assert self._round is not None and self._transport is not None
         message = self.layout.read()  # thetaH | buffers
-        self._guard_local_point(message, self._round_start.detach())
-        params, buffers = self.layout.split(message)
-        torch.sub(self._round_start, params, out=params)  # pseudo-gradient Delta_i
+        self._guard_local_point(message, self._round.round_start.detach())
+        params, _ = self.layout.split(message)
+        self._round.pseudo_gradient(params)  # params now hold Delta_i
         if self.world_size > 1:
             self._transport.all_reduce_mean(message)  # mean Delta | mean buffers
             self._clock_all_reduce()
-        self._round_start.grad = params
-        self._outer_optimizer.step()
-        self._round_start.grad = None
-        self.layout.scatter_parameters(self._round_start)
-        self.layout.scatter_buffers(buffers)
+        params.copy_(self._round.step(params))
+        self.layout.scatter(message)
 
     @override
     def _on_replicas_averaged(self) -> None:
-        if self._round_start is not None:
+        if self._round is not None:
             params, _ = self.layout.split(self.layout.read())
-            self._round_start.data.copy_(params)
+            self._round.reset(params)
 
     @override
     def strategy_state_dict(self) -> dict[str, Any]:
         state = super().strategy_state_dict()
-        if self._round_start is not None:
-            state["outer"] = {
-                "round_start": self._round_start.detach().clone(),
-                "optimizer": self._outer_optimizer.state_dict(),
-            }
+        if self._round is not None:
+            state["outer"] = self._round.state_dict()
         return state
 
     @override
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_strategy_state_dict(state)
-        if self._round_start is not None and state.get("outer") is not None:
-            self._round_start.data.copy_(state["outer"]["round_start"])
-            self._outer_optimizer.load_state_dict(state["outer"]["optimizer"])
+        if self._round is not None and state.get("outer") is not None:
+            self._round.load_state_dict(state["outer"])
 
     @classmethod
     @override

@@ -59,7 +59,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from gasloc_lightning.algorithm.outer import OuterState, mix
+from gasloc_lightning.algorithm.round import GossipRound
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.flat import all_finite
@@ -151,8 +151,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         for name in ("overlap", "network"):
             if kwargs.get(name):
                 raise ValueError(f"{name} is not supported by {type(self).__name__}; leave it unset")
-        if kwargs.get("message_dtype", "float32") != "float32":
-            raise ValueError(f"{type(self).__name__} sends float32 messages: message_dtype must be 'float32'")
+        for name in ("message_codec", "message_dtype"):
+            if kwargs.get(name) not in (None, "float32"):
+                raise ValueError(f"{type(self).__name__} sends float32 messages: {name} must be 'float32'")
         if kwargs.get("ranks_per_worker", 1) != 1:
             raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
         if not isinstance(leave_grace_s, (int, float)) or isinstance(leave_grace_s, bool) or leave_grace_s < 0:
@@ -267,8 +268,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def _init_outer_state(self) -> None:
         if self._outer_momentum is None:
             self.check_configuration(self.world_size)
-        params, _ = self.layout.split(self.layout.read())
-        self._outer = OuterState(params, self._outer_lr, self.outer_momentum, self._outer_form)
+        self._round = GossipRound(
+            self.layout.read(), self.layout.num_parameter_elements, outer_lr=self._outer_lr,
+            outer_momentum=self.outer_momentum, outer_form=self._outer_form,
+        )
+        self._pending = self._completed = None
 
     # ------------------------------------------------------------------ joining
     @override
@@ -534,24 +538,21 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     @override
     @torch.no_grad()
     def _communicate(self) -> None:
-        layout, outer = self.layout, self._outer
-        message = layout.read()
-        self._guard_local_point(message, outer.round_start)
-        params, buffers = layout.split(message)
-        outer.message(params)  # params now hold u_i
-        mixed = outer.mixed_destination()
-        if self._topology.uses_all_reduce:
-            self._all_reduce_round(message)
-            mixed.copy_(params)
+        layout, round_ = self.layout, self._round
+        point = layout.read()
+        self._guard_local_point(point, round_.outer.round_start)
+        all_reduce = self._topology.uses_all_reduce
+        wire = round_.begin(point, send=not all_reduce)  # point: u_i
+        if all_reduce:
+            self._all_reduce_round(point)
+            round_.mixed.copy_(layout.split(point)[0])
         else:
-            pending = self._transport.post(message, self.peers(), self.round_index)
+            pending = self._transport.post(wire, self.peers(), self.round_index)
             received, completed = self._transport.complete(pending)
-            received = self._accept(received, completed)
-            n = layout.num_parameter_elements
-            mix(params, [(w, r[:n]) for w, r in received], out=mixed)
-            mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)
-        layout.scatter_parameters(outer.finish(params, mixed))
-        layout.scatter_buffers(buffers)
+            for index in round_.mix(point, received):
+                self._guard.reject(completed[index], self._where())
+        round_.finish(point)
+        layout.scatter(point)
 
     def _all_reduce_round(self, message: Tensor) -> None:
         """The complete graph over the quorum; if a member fails, this worker keeps its own point."""

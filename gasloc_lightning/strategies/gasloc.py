@@ -15,9 +15,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from gasloc_lightning.comm.exchange import MESSAGE_DTYPES, CorrectionExchange
+from gasloc_lightning.algorithm.outer import OuterState, validate_outer_hyperparameters
+from gasloc_lightning.algorithm.round import GossipRound, check_codec, wire_format
 from gasloc_lightning.network import round_pairs
-from gasloc_lightning.algorithm.outer import OuterState, mix, validate_outer_hyperparameters
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 from gasloc_lightning.algorithm.stability import SWITCHING_SAFE_MOMENTUM
 from gasloc_lightning.topology import TOPOLOGIES, Topology, build_topology
@@ -52,8 +52,11 @@ class GASLoCStrategy(LocalStepsStrategy):
             one round late (see :mod:`gasloc_lightning.comm.exchange`). Costs one more model-size buffer.
         delayed_weight: beta in (0, 1], the scale of the one-round-late correction with overlap (1: the
             whole correction; smaller values damp it and slow consensus down).
-        message_dtype: ``"float32"`` or ``"bfloat16"`` points on the wire (half the bytes; the mean of
-            the replicas is still preserved exactly).
+        message_codec: how points go on the wire: ``"float32"``, ``"bfloat16"`` (half the bytes), ``"int8"`` or
+            ``"fp8"`` (about a quarter, per-block scales included), ``"int4"``, ``"int2"`` (see
+            :mod:`gasloc_lightning.algorithm.codecs`). Each worker mixes with its own *decoded* message, so the
+            replicas' mean is preserved exactly; only their disagreement sees the rounding.
+        message_dtype: the former name of ``message_codec`` (``"float32"`` or ``"bfloat16"``).
         **kwargs: the arguments of :class:`LocalStepsStrategy` (timeouts, ``on_nonfinite``, ``cpu_threads``,
             ``start_method`` and Lightning's ``DDPStrategy`` arguments).
     """
@@ -71,7 +74,8 @@ class GASLoCStrategy(LocalStepsStrategy):
         seed: int = 0,
         overlap: bool = False,
         delayed_weight: float = 1.0,
-        message_dtype: Literal["float32", "bfloat16"] = "float32",
+        message_codec: str | None = None,
+        message_dtype: Literal["float32", "bfloat16"] | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(topology, str) and topology.lower() not in TOPOLOGIES:
@@ -79,23 +83,22 @@ class GASLoCStrategy(LocalStepsStrategy):
         validate_outer_hyperparameters(outer_lr, 0.0 if outer_momentum is None else outer_momentum, outer_form)
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        if message_dtype not in MESSAGE_DTYPES:
-            raise ValueError(f"message_dtype must be one of {sorted(MESSAGE_DTYPES)}, got {message_dtype!r}")
+        message_codec = _resolve_codec(message_codec, message_dtype)
         if not 0.0 < delayed_weight <= 1.0:
             raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
         super().__init__(inner_steps=inner_steps, **kwargs)
         self._overlap = bool(overlap)
         self._delayed_weight = float(delayed_weight)
-        self._wire_dtype = MESSAGE_DTYPES[message_dtype]
-        self._exchange: CorrectionExchange | None = None
+        self._message_codec = message_codec
+        self._round: GossipRound | None = None
+        self._pending: PendingExchange | None = None  # an overlapped exchange in flight
+        self._completed: PendingExchange | None = None  # the last finished exchange (its peers' clocks)
         self._topology = build_topology(topology, seed=seed)
         self._outer_lr = float(outer_lr)
         self._requested_momentum = outer_momentum
         self._outer_momentum: float | None = outer_momentum
         self._outer_form = outer_form
         self._seed = seed
-        self._outer: OuterState | None = None
-        self._work: Tensor | None = None  # the overlapped message's own buffer
 
     @property
     def topology(self) -> Topology:
@@ -118,7 +121,7 @@ class GASLoCStrategy(LocalStepsStrategy):
 
     @property
     def outer_state(self) -> OuterState | None:
-        return self._outer
+        return None if self._round is None else self._round.outer
 
     @property
     def overlap(self) -> bool:
@@ -126,20 +129,29 @@ class GASLoCStrategy(LocalStepsStrategy):
         return self._overlap
 
     @property
+    def message_codec(self) -> str:
+        """How points go on the wire (see :mod:`gasloc_lightning.algorithm.codecs`)."""
+        return self._message_codec
+
+    @property
     @override
     def message_dtype(self) -> torch.dtype:
-        """The dtype of the points on the wire."""
-        return self._wire_dtype
+        """The dtype of the tensor on the wire (``torch.uint8`` for the quantized codecs)."""
+        return wire_format(self._message_codec, 1)[1]
+
+    @override
+    def wire_format(self, numel: int) -> tuple[int, torch.dtype]:
+        return wire_format(self._message_codec, numel)
 
     @override
     def check_configuration(self, world_size: int) -> None:
         """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""
         super().check_configuration(world_size)
         world_size //= self.ranks_per_worker  # the graph connects workers
-        if self._topology.uses_all_reduce and (self._overlap or self._wire_dtype != torch.float32):
+        if self._topology.uses_all_reduce and (self._overlap or self._message_codec != "float32"):
             raise ValueError(
-                "overlap=True and message_dtype='bfloat16' apply to point-to-point gossip; topology='complete' "
-                "is an all-reduce (use a sparse topology, or DiLoCoStrategy)"
+                "overlap=True and message_codec other than 'float32' apply to point-to-point gossip; "
+                "topology='complete' is an all-reduce (use a sparse topology, or DiLoCoStrategy)"
             )
         if world_size <= 1:
             self._outer_momentum = 0.0 if self._requested_momentum is None else self._requested_momentum
@@ -186,35 +198,40 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.check_configuration(self.world_size)
         if self.num_workers <= 1:
             rank_zero_info("GASLoC with a single worker: local training with outer steps, no communication.")
-        params, _ = self.layout.split(self.layout.read())
-        self._outer = OuterState(params, self._outer_lr, self.outer_momentum, self._outer_form)
-        if self._overlap or self._wire_dtype != torch.float32:
-            self._exchange = CorrectionExchange(
-                self.transport, self.layout.numel, self._wire_dtype, self._overlap, accept=self._accept,
-                delayed_weight=self._delayed_weight,
-            )
+        self._round = GossipRound(
+            self.layout.read(), self.layout.num_parameter_elements, outer_lr=self._outer_lr,
+            outer_momentum=self.outer_momentum, outer_form=self._outer_form, message_codec=self._message_codec,
+            overlap=self._overlap, delayed_weight=self._delayed_weight,
+        )
+        self._pending = self._completed = None
 
     @override
     def _drain_exchanges(self) -> None:
-        if self._exchange is not None:
-            self._exchange.drain()
+        """Finish the overlapped exchange in flight (if any): its correction is folded in next round."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        self._completed = pending
+        self._reject(self._round.correct(self._transport.complete(pending)), pending)
+
+    def _reject(self, rejected: list[int], pending: PendingExchange) -> None:
+        """Count the messages the round refused as non-finite, by peer."""
+        peers = sorted(pending.peers)
+        for index in rejected:
+            self._guard.reject(peers[index], self._where())
 
     @override
     @torch.no_grad()
     def _flush_exchanges(self) -> None:
-        if self._exchange is None:
+        if self._round is None or not self._round.by_correction:
             return
-        self._exchange.drain()
-        self._complete_clock(self._exchange.completed)
-        correction = self._exchange.take()
-        if correction is not None:  # the last delayed term: theta += C for the live point and the round start
-            live = self.layout.read().add_(correction)
-            self.layout.scatter(live)
-            self._outer.round_start.add_(self.layout.split(correction)[0])
+        self._drain_exchanges()
+        self._complete_clock(self._completed)
+        live = self.layout.read()
+        self._round.flush(live)  # the last delayed term: theta += C for the live point and the round start
         if self.ranks_per_worker > 1:  # only the leader exchanged: its ranks take the result
-            live = self.layout.read()
-            self.broadcast_in_worker(live, self._outer.round_start)
-            self.layout.scatter(live)
+            self.broadcast_in_worker(live, self._round.outer.round_start)
+        self.layout.scatter(live)
 
     def peers(self, round_index: int | None = None) -> dict[int, float]:
         """This rank's peers (global ranks of their worker leaders) and mixing weights w_ij in round t.
@@ -230,62 +247,51 @@ class GASLoCStrategy(LocalStepsStrategy):
     @override
     @torch.no_grad()
     def _communicate(self) -> None:
-        assert self._outer is not None and self._transport is not None
-        layout, outer = self.layout, self._outer
-        self._drain_exchanges()  # an overlapped exchange may still read the message buffer
-        # thetaH | buffers: the live vector itself, or a copy when it stays in flight during the next round
-        message = layout.gather(self._overlap_message()) if self._overlap else layout.read()
-        self._guard_local_point(message, outer.round_start)
-        params, buffers = layout.split(message)
-        outer.message(params)  # params now hold u_i (or z_i for post_mix)
-        mixed = outer.mixed_destination()
+        assert self._round is not None and self._transport is not None
+        layout, round_ = self.layout, self._round
+        self._drain_exchanges()  # an overlapped exchange reads the wire and yields the correction folded in now
+        point = layout.read()  # thetaH | buffers (the live vector when bound)
+        self._guard_local_point(point, round_.outer.round_start)
+        exchanging = self.is_worker_leader and self.world_size > 1 and not self._topology.uses_all_reduce
+        wire = round_.begin(point, send=exchanging)  # point: u (p with overlap)
+        _, buffers = layout.split(point)
         if self._topology.uses_all_reduce and self.world_size > 1:
-            self._transport.all_reduce_mean(message)  # replicas inside a worker are equal: a mean over workers
-            mixed.copy_(params)
+            self._transport.all_reduce_mean(point)  # replicas inside a worker are equal: a mean over workers
+            round_.mixed.copy_(layout.split(point)[0])
             self._clock_all_reduce()
         elif not self.is_worker_leader:
             clock = self._clock_tensor()
-            self.broadcast_in_worker(mixed, buffers, clock)  # the leader exchanged for this worker
+            self.broadcast_in_worker(round_.mixed, buffers, clock)  # the leader exchanged for this worker
             if self._round_clock is not None:
                 self._round_clock.follow(clock)
-        elif self._exchange is not None:
-            buffers = self._mix_by_correction(message, mixed)
         else:
-            clock = self._round_clock.on_post() if self._round_clock is not None else None
-            pending = self._transport.post(message, self.peers(), self.round_index, clock)
-            received = self._accept(self._transport.complete(pending), sorted(pending.peers))
-            self._complete_clock(pending)
-            n = layout.num_parameter_elements
-            mix(params, [(w, r[:n]) for w, r in received], out=mixed)
-            mix(buffers, [(w, r[n:]) for w, r in received], out=buffers)
+            self._exchange(point, wire)
         if self.is_worker_leader and not self._topology.uses_all_reduce:
-            self.broadcast_in_worker(mixed, buffers, self._clock_tensor())
-        layout.scatter_parameters(outer.finish(params, mixed))
-        layout.scatter_buffers(buffers)
+            self.broadcast_in_worker(round_.mixed, buffers, self._clock_tensor())
+        round_.finish(point)
+        layout.scatter(point)
 
-    def _mix_by_correction(self, message: Tensor, mixed: Tensor) -> Tensor:
-        """theta' = u + C (low-precision or delayed gossip); returns the new float buffers.
-
-        ``message`` may be in flight afterwards (overlap): it is only read from here on.
-        """
-        params, buffers = self.layout.split(message)
-        if self._overlap:  # the previous round's exchange ends (in simulated time) now
-            self._complete_clock(self._exchange.completed)
+    def _exchange(self, point: Tensor, wire: Tensor | None) -> None:
+        """The leader's gossip: post the wire, then mix now, correct now, or (overlap) leave it in flight."""
+        round_ = self._round
+        if self._overlap and self._completed is not None:  # the previous round's exchange ends (in simulated time) now
+            self._complete_clock(self._completed)
+            self._completed = None
         clock = self._round_clock.on_post() if self._round_clock is not None else None
-        if self._overlap:  # p = u + beta C(t-1): the live point, and the message now in flight
-            point_params, point_buffers = self.layout.split(
-                self._exchange.fold_and_post(message, self.peers(), self.round_index, clock)
-            )
-            mixed.copy_(point_params)
-            return point_buffers
-        correction = self._exchange.exchange(message, self.peers(), self.round_index, clock)
-        self._complete_clock(self._exchange.completed)
-        if correction is None:
-            mixed.copy_(params)
-            return buffers
-        params_correction, buffers_correction = self.layout.split(correction)
-        torch.add(params, params_correction, out=mixed)
-        return buffers_correction.add_(buffers)
+        pending = self._transport.post(wire, self.peers(), self.round_index, clock) if wire is not None else None
+        if self._overlap:
+            self._pending = pending
+            round_.hold(point)
+            return
+        received = [] if pending is None else self._transport.complete(pending)
+        if round_.by_correction:
+            rejected = round_.correct(received)
+            round_.apply_correction(point)
+        else:
+            rejected = round_.mix(point, received)
+        if pending is not None:
+            self._reject(rejected, pending)
+            self._complete_clock(pending)
 
     def _complete_clock(self, pending: PendingExchange | None) -> None:
         """Advance the simulated clock to the end of a finished exchange (peers' clocks came with it)."""
@@ -294,38 +300,52 @@ class GASLoCStrategy(LocalStepsStrategy):
         k = self.ranks_per_worker
         peer_clocks = {peer // k: value for peer, value in pending.peer_clock_values().items()}
         pairs = round_pairs(self._topology, self.num_workers, pending.round_index)
-        self._round_clock.on_exchange_completed(peer_clocks, pairs, self._wire_dtype.itemsize)
-
-    def _overlap_message(self) -> Tensor:
-        """With overlap, the message stays in flight while the next round trains: it needs its own buffer."""
-        if self._work is None:
-            self._work = self.layout.new_buffer()
-        return self._work
+        self._round_clock.on_exchange_completed(peer_clocks, pairs, self._round.bytes_per_element)
 
     @override
     def _on_replicas_averaged(self) -> None:
-        if self._outer is not None:
+        if self._round is not None:
             params, _ = self.layout.split(self.layout.read())
-            self._outer.round_start.copy_(params)
+            self._round.outer.round_start.copy_(params)
 
     @override
     def strategy_state_dict(self) -> dict[str, Any]:
         state = super().strategy_state_dict()
-        state["outer"] = self._outer.state_dict() if self._outer else None
-        if self._exchange is not None:
-            self._exchange.drain()
-            state["exchange"] = self._exchange.state_dict()
+        if self._round is None:
+            state["round"] = None
+            return state
+        self._drain_exchanges()
+        state["round"] = self._round.state_dict()
+        completed = self._completed
+        state["completed_exchange"] = None if completed is None else {
+            "round_index": completed.round_index, "peers": completed.peers,
+            "peer_clocks": completed.peer_clock_values(),
+        }
         return state
 
     @override
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_strategy_state_dict(state)
-        if self._outer is not None and state.get("outer") is not None:
-            self._outer.load_state_dict(state["outer"])
-        if self._exchange is not None and state.get("exchange") is not None:
-            self._exchange.load_state_dict(state["exchange"])
+        if self._round is None or state.get("round") is None:
+            return
+        self._round.load_state_dict(state["round"])
+        completed = state.get("completed_exchange")
+        self._completed = None if completed is None else PendingExchange(
+            round_index=completed["round_index"], peers=dict(completed["peers"]),
+            peer_clocks={p: torch.tensor([c], dtype=torch.float64) for p, c in completed["peer_clocks"].items()},
+        )
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         _register_variants(strategy_registry, cls, "gasloc", "GASLoC (local steps + gossip + outer momentum)")
+
+
+def _resolve_codec(message_codec: str | None, message_dtype: str | None) -> str:
+    """``message_codec``, or its former name ``message_dtype``; both given must agree."""
+    if message_dtype is not None and message_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"message_dtype must be 'float32' or 'bfloat16' (see message_codec), got {message_dtype!r}")
+    if message_codec is not None and message_dtype is not None and message_codec != message_dtype:
+        raise ValueError(f"message_codec={message_codec!r} and message_dtype={message_dtype!r} disagree: "
+                         "pass message_codec only")
+    return check_codec(message_codec or message_dtype or "float32")

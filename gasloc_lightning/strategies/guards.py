@@ -65,16 +65,20 @@ class NonFiniteGuard:
         for (weight, message), peer in zip(received, peers):
             if all_finite(message):
                 accepted.append((weight, message))
-                continue
-            self.rejected_exchanges += 1
-            if peer not in self._warned_peers:
-                self._warned_peers.add(peer)
-                log.warning(
-                    "%s: rejected a non-finite message from peer %d (kept its own point for that share; the "
-                    "replicas' mean moves this round); further rejections are counted in comm/rejected_exchanges",
-                    where, peer,
-                )
+            else:
+                self.reject(peer, where)
         return accepted
+
+    def reject(self, peer: int, where: str) -> None:
+        """Count a non-finite message from ``peer`` that was dropped (warned once per peer)."""
+        self.rejected_exchanges += 1
+        if peer not in self._warned_peers:
+            self._warned_peers.add(peer)
+            log.warning(
+                "%s: rejected a non-finite message from peer %d (kept its own point for that share; the "
+                "replicas' mean moves this round); further rejections are counted in comm/rejected_exchanges",
+                where, peer,
+            )
 
     def state_dict(self) -> dict[str, int]:
         return {

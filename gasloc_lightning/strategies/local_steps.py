@@ -266,8 +266,12 @@ class LocalStepsStrategy(DDPStrategy):
 
     @property
     def message_dtype(self) -> torch.dtype:
-        """The dtype of the points on the wire (float32 here; GASLoC may send bfloat16)."""
+        """The dtype of the points on the wire (float32 here; GASLoC may send bfloat16 or quantized bytes)."""
         return torch.float32
+
+    def wire_format(self, numel: int) -> tuple[int, torch.dtype]:
+        """``(elements, dtype)`` of one message of ``numel`` float32 elements on the wire."""
+        return numel, torch.float32
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -342,9 +346,9 @@ class LocalStepsStrategy(DDPStrategy):
 
     def _build_layout(self) -> None:
         self._layout = FlatLayout(self.lightning_module)
+        numel, dtype = self.wire_format(self._layout.numel)
         self._transport = GossipTransport(
-            self._layout.numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None,
-            dtype=self.message_dtype,
+            numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None, dtype=dtype,
         )
         self._consensus = ConsensusSwap(self._layout, self._replica_mean, self._drain_exchanges)
         self._check_same_model_on_every_rank()

@@ -52,7 +52,7 @@ class RoundClock:
         return self.clock.post_exchange()
 
     def on_exchange_completed(
-        self, peer_clocks: Mapping[int, float], pairs: Sequence[tuple[int, int]], element_size: int
+        self, peer_clocks: Mapping[int, float], pairs: Sequence[tuple[int, int]], element_size: float
     ) -> None:
         """The exchange posted last ended: advance to its end (peers' clocks came with it)."""
         if not self.clock.pending:

@@ -1,0 +1,351 @@
+"""Message codecs: how a flat float32 message (the gossiped point u_i) goes on the wire and back.
+
+A codec turns a float32 vector of P elements into ONE ``torch.uint8`` tensor of ``wire_numel(P)``
+bytes (every process-group backend sends uint8, and the transport counts exactly what it sends), and
+decodes such a wire back into float32. Stacked inputs ``(n, P)`` are n independent messages: row i of
+the wire is byte for byte what encoding row i alone gives.
+
+Wire layout of the block codecs: ``[ values | scales ]``. Every ``block_size`` consecutive elements
+share one float32 scale (the last block of a row may be partial); the values are packed densely over
+the whole row (the last byte of a packed row is padded with zero bits) and the scales follow as the
+bytes of ``ceil(P / block_size)`` float32 numbers. The scale is absmax / L with L the largest level:
+
+=========  ========================================  ==============  ==========================
+codec      values (per element)                      scale           max abs error per block
+=========  ========================================  ==============  ==========================
+float32    the 4 bytes of x                          none            0 (lossless)
+bfloat16   ``x.to(torch.bfloat16)`` (nearest even)   none            2^-8 |x| (relative)
+int8       round(x / s) in [-127, 127], 1 byte       absmax / 127    absmax / 254
+fp8        (x / s) as ``float8_e4m3fn``, 1 byte      absmax / 448    2^-4 |x| + 2^-10 s
+int4       round(x / s) in [-7, 7], 4 bits           absmax / 7      absmax / 14
+int2       s * {-1.5, -0.5, 0.5, 1.5}, 2 bits        absmax / 1.5    absmax / 3
+=========  ========================================  ==============  ==========================
+
+int2 has no zero level: it rounds to the nearest level with ties upwards (x = 0 decodes to +s/2
+unless the whole block is zero). All rounding is deterministic (no stochastic rounding); a block of
+zeros has scale 0 and decodes to exact zeros; a constant block decodes exactly for every block codec.
+
+Bytes on the wire relative to float32 (``wire_numel(P) / (4 P)``, P a multiple of ``block_size`` and
+of 4) with the default ``block_size`` = 128: float32 1, bfloat16 2/4 = 0.5, int8 and fp8
+(1 + 4/128) / 4 = 0.2578, int4 (0.5 + 4/128) / 4 = 0.1328, int2 (0.25 + 4/128) / 4 = 0.0703.
+
+Non-finite input never raises: it makes its block's absmax, hence its scale, non-finite, and the whole
+block then decodes to NaN (float32 and bfloat16 carry each non-finite value through as itself). The
+caller checks the decoded message for finiteness.
+
+Decoding is exact integer-to-float conversion then one multiplication by the scale, so every device
+decodes a given wire to the same bits; an engine may rely on its own ``decoded`` message being exactly
+what its peers decode from its wire.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+from torch import Tensor
+
+CODECS: tuple[str, ...] = ("float32", "bfloat16", "int8", "fp8", "int4", "int2")
+DEFAULT_BLOCK_SIZE = 128
+_SCALE_BYTES = 4  # float32 scales
+
+
+class MessageCodec(abc.ABC):
+    """A float32 <-> uint8 wire codec for flat messages of shape ``(..., P)``; rows are independent.
+
+    Args:
+        block_size: elements sharing one scale (ignored by ``float32`` and ``bfloat16``).
+    """
+
+    name: str
+    lossless: bool = False
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.block_size = block_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, block_size={self.block_size})"
+
+    @abc.abstractmethod
+    def wire_numel(self, numel: int) -> int:
+        """Bytes of one encoded message of ``numel`` elements, scales included."""
+
+    def new_wire(self, numel: int, *leading: int, device: torch.device | str | None = None) -> Tensor:
+        """An uninitialised uint8 wire ``(*leading, wire_numel(numel))`` for messages of ``numel`` elements."""
+        return torch.empty((*leading, self.wire_numel(numel)), dtype=torch.uint8, device=device)
+
+    def encode(self, x: Tensor, wire: Tensor, decoded: Tensor | None = None) -> Tensor | None:
+        """Write the wire of ``x``; optionally also its decoded value.
+
+        Args:
+            x: float32 ``(..., P)``; each row is one message.
+            wire: uint8 ``(..., wire_numel(P))``, written (a buffer from :meth:`new_wire`, or rows of one).
+            decoded: optional float32 ``(..., P)`` that receives ``decode(wire)``; it may alias ``x``
+                (then x becomes its own decoded value, in place).
+
+        Returns:
+            ``decoded``, or ``None`` when it was not given.
+        """
+        _check_float(x, "x")
+        _check_wire(wire, x, self.wire_numel(x.shape[-1]))
+        if decoded is not None:
+            _check_float(decoded, "decoded")
+            if decoded.shape != x.shape or decoded.device != x.device:
+                raise ValueError(f"decoded must have the shape and device of x {tuple(x.shape)} on {x.device}, "
+                                 f"got {tuple(decoded.shape)} on {decoded.device}")
+        # decoded is overwritten below anyway, so it serves as the scratch (no model-size allocation).
+        self._encode(x, wire, scratch=decoded)
+        if decoded is None:
+            return None
+        return self.decode(wire, decoded)  # the decoded message is by construction what peers decode
+
+    def decode(self, wire: Tensor, out: Tensor) -> Tensor:
+        """Decode uint8 ``(..., wire_numel(P))`` into float32 ``out`` ``(..., P)``; returns ``out``."""
+        _check_float(out, "out")
+        _check_wire(wire, out, self.wire_numel(out.shape[-1]))
+        self._decode(wire, out)
+        return out
+
+    @abc.abstractmethod
+    def _encode(self, x: Tensor, wire: Tensor, scratch: Tensor | None) -> None:
+        """Write the wire of ``x``; ``scratch`` (like x, may be x itself) may be clobbered once x is read."""
+
+    @abc.abstractmethod
+    def _decode(self, wire: Tensor, out: Tensor) -> None: ...
+
+
+class _CastCodec(MessageCodec):
+    """The wire holds the bytes of x cast to a float dtype, elementwise (no scales)."""
+
+    dtype: torch.dtype
+
+    def wire_numel(self, numel: int) -> int:
+        return _check_numel(numel) * self.dtype.itemsize
+
+    def _encode(self, x: Tensor, wire: Tensor, scratch: Tensor | None) -> None:
+        wire.view(self.dtype).copy_(x)
+
+    def _decode(self, wire: Tensor, out: Tensor) -> None:
+        out.copy_(wire.view(self.dtype))
+
+
+class Float32Codec(_CastCodec):
+    """The raw float32 bytes: lossless, 4 bytes per element."""
+
+    name = "float32"
+    dtype = torch.float32
+    lossless = True
+
+
+class BFloat16Codec(_CastCodec):
+    """bfloat16, round to nearest even: 2 bytes per element, relative error <= 2^-8."""
+
+    name = "bfloat16"
+    dtype = torch.bfloat16
+
+
+class _BlockCodec(MessageCodec):
+    """Per-block absmax scaling: ``scale = absmax / max_level``; subclasses store ``x / scale``."""
+
+    max_level: float
+    bits: int  # per stored value
+
+    def wire_numel(self, numel: int) -> int:
+        return self._values_numel(numel) + _num_blocks(numel, self.block_size) * _SCALE_BYTES
+
+    def _values_numel(self, numel: int) -> int:
+        per_byte = 8 // self.bits
+        return -(-_check_numel(numel) // per_byte)
+
+    def _encode(self, x: Tensor, wire: Tensor, scratch: Tensor | None) -> None:
+        values_numel = self._values_numel(x.shape[-1])
+        scales = _absmax(x, self.block_size).div_(self.max_level)  # (..., blocks)
+        divisors = torch.where(scales == 0, torch.ones_like(scales), scales)  # a zero block stays 0, not NaN
+        scratch = torch.empty_like(x) if scratch is None else scratch
+        scaled = _per_block(torch.div, x, divisors, scratch, self.block_size)  # last read of x
+        self._store(scaled, wire[..., :values_numel])
+        wire[..., values_numel:].copy_(scales.view(torch.uint8))
+
+    def _decode(self, wire: Tensor, out: Tensor) -> None:
+        values_numel = self._values_numel(out.shape[-1])
+        scales = wire.new_empty((*out.shape[:-1], _num_blocks(out.shape[-1], self.block_size) * _SCALE_BYTES))
+        scales = scales.copy_(wire[..., values_numel:]).view(torch.float32)  # a copy: scales may sit unaligned
+        self._load(wire[..., :values_numel], out)
+        _per_block(torch.mul, out, scales, out, self.block_size)
+
+    @abc.abstractmethod
+    def _store(self, scaled: Tensor, values: Tensor) -> None:
+        """Write ``scaled`` (x / scale, float32, may be overwritten) into the value bytes."""
+
+    @abc.abstractmethod
+    def _load(self, values: Tensor, out: Tensor) -> None:
+        """Write the stored levels (x / scale, rounded) from the value bytes into ``out``."""
+
+
+class Int8Codec(_BlockCodec):
+    """Per-block absmax int8: ``round(x / s)`` in [-127, 127] with ``s = absmax / 127``."""
+
+    name = "int8"
+    max_level = 127.0
+    bits = 8
+
+    def _store(self, scaled: Tensor, values: Tensor) -> None:
+        # The clamp matters only when s is subnormal (imprecise): a wrapped int8 would flip the sign.
+        values.view(torch.int8).copy_(scaled.round_().clamp_(-127, 127))
+
+    def _load(self, values: Tensor, out: Tensor) -> None:
+        out.copy_(values.view(torch.int8))
+
+
+class Fp8Codec(_BlockCodec):
+    """Per-block scaled ``float8_e4m3fn`` (round to nearest even) with ``s = absmax / 448``."""
+
+    name = "fp8"
+    max_level = 448.0
+    bits = 8
+
+    def _store(self, scaled: Tensor, values: Tensor) -> None:
+        # e4m3fn has no infinity: past 448 a cast gives NaN, so rounding noise above 448 is clamped.
+        values.view(torch.float8_e4m3fn).copy_(scaled.clamp_(-448, 448))
+
+    def _load(self, values: Tensor, out: Tensor) -> None:
+        out.copy_(values.view(torch.float8_e4m3fn))
+
+
+class _PackedCodec(_BlockCodec):
+    """Levels ``code - offset`` with codes in [0, 2^bits), packed 8 // bits per byte, low bits first."""
+
+    offset: float  # level = code - offset
+    code_shift: int  # code = rounded integer + code_shift
+
+    def _store(self, scaled: Tensor, values: Tensor) -> None:
+        codes = torch.empty(scaled.shape, dtype=torch.int8, device=scaled.device)
+        codes.copy_(self._round(scaled))  # small integers: exact
+        codes = codes.view(torch.uint8).add_(self.code_shift)  # wraps modulo 256 into [0, 2^bits)
+        # A NaN (non-finite block) casts to an arbitrary byte: the mask keeps it out of its neighbours'
+        # bits, which may belong to another block when block_size is odd.
+        codes.bitwise_and_((1 << self.bits) - 1)
+        _pack(codes, values, self.bits)
+
+    def _load(self, values: Tensor, out: Tensor) -> None:
+        _unpack(values, out, self.bits)
+        out.sub_(self.offset)
+
+    @abc.abstractmethod
+    def _round(self, scaled: Tensor) -> Tensor:
+        """Round ``scaled`` in place to the signed integer ``code - code_shift``."""
+
+
+class Int4Codec(_PackedCodec):
+    """Per-block absmax int4: ``round(x / s)`` in [-7, 7] (15 levels) with ``s = absmax / 7``."""
+
+    name = "int4"
+    max_level = 7.0
+    bits = 4
+    offset = 7.0
+    code_shift = 7
+
+    def _round(self, scaled: Tensor) -> Tensor:
+        return scaled.round_().clamp_(-7, 7)
+
+
+class Int2Codec(_PackedCodec):
+    """Per-block absmax int2: levels ``s * {-1.5, -0.5, 0.5, 1.5}`` with ``s = absmax / 1.5``.
+
+    The nearest level of ``v = x / s`` is ``floor(v) + 0.5`` (ties upwards), clamped to the four levels.
+    """
+
+    name = "int2"
+    max_level = 1.5
+    bits = 2
+    offset = 1.5
+    code_shift = 2
+
+    def _round(self, scaled: Tensor) -> Tensor:
+        return scaled.floor_().clamp_(-2, 1)  # code = floor(v) + 2, decoded as code - 1.5
+
+
+_CODEC_CLASSES: dict[str, type[MessageCodec]] = {
+    codec.name: codec for codec in (Float32Codec, BFloat16Codec, Int8Codec, Fp8Codec, Int4Codec, Int2Codec)
+}
+
+
+def build_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> MessageCodec:
+    """The codec called ``name`` (one of :data:`CODECS`).
+
+    Args:
+        name: the codec's name.
+        block_size: elements sharing one scale in the block codecs (int8, fp8, int4, int2).
+    """
+    if name not in _CODEC_CLASSES:
+        raise ValueError(f"name must be one of {list(CODECS)}, got {name!r}")
+    return _CODEC_CLASSES[name](block_size=block_size)
+
+
+def _check_numel(numel: int) -> int:
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be an int >= 1, got {numel!r}")
+    return numel
+
+
+def _num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def _check_float(tensor: Tensor, argument: str) -> None:
+    if tensor.dtype != torch.float32 or tensor.dim() < 1 or tensor.shape[-1] < 1:
+        raise ValueError(f"{argument} must be float32 of shape (..., P) with P >= 1, got "
+                         f"{tensor.dtype} {tuple(tensor.shape)}")
+
+
+def _check_wire(wire: Tensor, message: Tensor, wire_numel: int) -> None:
+    expected = (*message.shape[:-1], wire_numel)
+    if wire.dtype != torch.uint8 or tuple(wire.shape) != expected or wire.device != message.device:
+        raise ValueError(f"wire must be uint8 of shape {expected} on {message.device}, got "
+                         f"{wire.dtype} {tuple(wire.shape)} on {wire.device}")
+
+
+def _absmax(x: Tensor, block_size: int) -> Tensor:
+    """Per-block max |x| ``(..., blocks)``; NaN propagates. One read of x and no model-size temporary."""
+    full = x.shape[-1] // block_size * block_size
+    parts = []
+    if full:
+        low, high = torch.aminmax(x[..., :full].unflatten(-1, (-1, block_size)), dim=-1)
+        parts.append(torch.maximum(low.abs(), high.abs()))  # abs: a zero block gets +0, never -0
+    if full < x.shape[-1]:
+        low, high = torch.aminmax(x[..., full:], dim=-1, keepdim=True)
+        parts.append(torch.maximum(low.abs(), high.abs()))
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+
+
+def _per_block(op, x: Tensor, scales: Tensor, out: Tensor, block_size: int) -> Tensor:
+    """``out = op(x, scale of each element's block)``: full blocks as one (..., blocks, block) view, then the tail."""
+    full = x.shape[-1] // block_size * block_size
+    blocks = full // block_size
+    if full:
+        op(x[..., :full].unflatten(-1, (blocks, block_size)), scales[..., :blocks, None],
+           out=out[..., :full].unflatten(-1, (blocks, block_size)))
+    if full < x.shape[-1]:
+        op(x[..., full:], scales[..., blocks:], out=out[..., full:])
+    return out
+
+
+def _pack(codes: Tensor, values: Tensor, bits: int) -> None:
+    """Pack uint8 codes ``(..., P)`` < 2^bits into ``values`` ``(..., ceil(P * bits / 8))``, element k at bits k*bits."""
+    per_byte = 8 // bits
+    values.copy_(codes[..., 0::per_byte])  # the padding bits of a row's last byte stay 0
+    for k in range(1, per_byte):
+        part = codes[..., k::per_byte]
+        values[..., :part.shape[-1]].bitwise_or_(part << (bits * k))
+
+
+def _unpack(values: Tensor, out: Tensor, bits: int) -> None:
+    """Inverse of :func:`_pack`, writing the codes as floats into ``out`` ``(..., P)``."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    for k in range(per_byte):
+        destination = out[..., k::per_byte]
+        source = values[..., :destination.shape[-1]]
+        destination.copy_((source >> (bits * k)) & mask if k else source & mask)

@@ -1,0 +1,359 @@
+"""One communication round on flat float32 tensors, for every engine: pure math, no process group.
+
+The static strategy (``strategies/gasloc.py``, ``strategies/diloco.py``), the elastic strategy
+(``strategies/elastic.py``) and the simulator (``sim/rounds.py``) all run their rounds through the two
+classes here; they only move the wire between workers (a process group, or rows of one tensor).
+
+**GASLoC** (:class:`GossipRound`). A point is ``[ trainable parameters | exchanged buffers ]``: the outer
+step acts on the first ``num_parameters`` elements, buffers are mixed without momentum. One round of
+worker i (``docs/algorithm.md``):
+
+1. :meth:`GossipRound.begin`: thetaH_i becomes u_i (z_i for ``post_mix``) in place
+   (:meth:`~gasloc_lightning.algorithm.outer.OuterState.message`); with overlap the correction of the
+   previous exchange is folded in, p_i = u_i + beta C_i(t-1); the point is encoded for the wire
+   (:mod:`~gasloc_lightning.algorithm.codecs`) and its *decoded* value m_i is kept.
+2. The engine sends the wire to this round's peers and receives theirs.
+3. Either exact mixing (float32 messages, no overlap; :meth:`GossipRound.mix`),
+   ``theta_i' = u_i - sum_j w_ij (u_i - u_j)``, or a correction (:meth:`GossipRound.correct`),
+   ``C_i = beta sum_j w_ij (m_j - m_i)``: applied at once (:meth:`GossipRound.apply_correction`), or,
+   with overlap, one round late (:meth:`GossipRound.hold` keeps p_i as this round's result).
+   Each worker uses its own decoded message m_i, so C is antisymmetric per pair and the replicas' mean
+   is preserved exactly whatever the codec loses.
+4. :meth:`GossipRound.finish`: the outer state moves to theta_i' and the point takes it.
+
+A message that decodes to non-finite values is rejected: the worker keeps its own point for that
+peer's share (the methods return the rejected indices; the engine counts and logs them).
+
+Shapes: one worker's point is ``(N,)``; the simulator stacks n workers as ``(n, P)`` rows (parameters
+only, ``num_parameters == P``) and passes ``row=i`` to the per-worker steps (2 and 3), while 1 and 4
+act on every row at once. Every update is elementwise, so a row computes exactly what a worker does.
+
+**DiLoCo** (:class:`DiLoCoRound`): the pseudo-gradient Delta_i = theta - thetaH_i, its mean over
+the workers (the engine's all-reduce), and an outer ``torch.optim.SGD(lr=eta, momentum=gamma,
+nesterov=gamma > 0)`` step of the shared round start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from gasloc_lightning.algorithm.codecs import CODECS, build_codec
+from gasloc_lightning.algorithm.outer import OuterState, mix, validate_outer_hyperparameters
+
+Received = Sequence[tuple[float, Tensor]]
+
+
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every entry is finite, in one read pass and no temporary (NaN and +-inf reach min or max)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
+def check_codec(message_codec: str) -> str:
+    """Raise ``ValueError`` naming the argument when the codec is unknown."""
+    if message_codec not in CODECS:
+        raise ValueError(f"message_codec must be one of {list(CODECS)}, got {message_codec!r}")
+    return message_codec
+
+
+def wire_format(message_codec: str, numel: int) -> tuple[int, torch.dtype]:
+    """``(elements, dtype)`` of one message of ``numel`` float32 elements on the wire (a transport's buffers)."""
+    check_codec(message_codec)
+    if message_codec == "float32":
+        return numel, torch.float32
+    if message_codec == "bfloat16":
+        return numel, torch.bfloat16
+    return build_codec(message_codec).wire_numel(numel), torch.uint8
+
+
+class GossipRound:
+    """GASLoC's round for one worker (a ``(N,)`` point) or n stacked workers (``(n, P)`` rows).
+
+    Args:
+        initial: the starting point(s): ``(N,)`` for one worker, ``(n, P)`` for stacked workers.
+        num_parameters: elements of the point that are trainable parameters (the rest: exchanged buffers).
+        outer_lr, outer_momentum, outer_form: eta, gamma and the form of the outer step.
+        message_codec: how the message goes on the wire (``float32``, ``bfloat16``, ``int8``, ``fp8``,
+            ``int4``, ``int2``; see :mod:`gasloc_lightning.algorithm.codecs`).
+        overlap: fold each exchange in one round late instead of waiting for it.
+        delayed_weight: beta in (0, 1], the scale of the late correction (overlap only).
+    """
+
+    def __init__(
+        self,
+        initial: Tensor,
+        num_parameters: int,
+        *,
+        outer_lr: float,
+        outer_momentum: float,
+        outer_form: str = "anchored",
+        message_codec: str = "float32",
+        overlap: bool = False,
+        delayed_weight: float = 1.0,
+    ) -> None:
+        if initial.dim() not in (1, 2):
+            raise ValueError(f"initial must be one point (N,) or stacked rows (n, P), got shape {tuple(initial.shape)}")
+        numel = initial.shape[-1]
+        if not 0 < num_parameters <= numel:
+            raise ValueError(f"num_parameters must lie in [1, {numel}], got {num_parameters}")
+        if initial.dim() == 2 and num_parameters != numel:
+            raise ValueError("stacked rows carry parameters only: num_parameters must equal the row length")
+        if not 0.0 < delayed_weight <= 1.0:
+            raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
+        self.message_codec = check_codec(message_codec)
+        self.num_parameters, self.numel = int(num_parameters), int(numel)
+        self.overlap = bool(overlap)
+        self.by_correction = self.overlap or message_codec != "float32"
+        self._scale = float(delayed_weight) if self.overlap else 1.0
+        self.outer = OuterState(initial[..., :num_parameters], outer_lr, outer_momentum, outer_form)
+        rows, device = tuple(initial.shape[:-1]), initial.device
+        self._codec = None if message_codec in ("float32", "bfloat16") else build_codec(message_codec)
+        self.correction = torch.zeros(*rows, numel, device=device) if self.by_correction else None
+        self.ready = torch.zeros(rows, dtype=torch.bool, device="cpu")  # a correction not yet applied
+        self._wire: Tensor | None = None
+        self._own: Tensor | None = None  # the decoded own message (quantized codecs)
+        self._scratch: Tensor | None = None  # one peer's decoded message (quantized codecs)
+        if self._codec is not None:
+            self._wire = self._codec.new_wire(numel, *rows, device=device)
+            self._own = torch.empty(*rows, numel, device=device)
+            self._scratch = torch.empty(numel, device=device)
+        elif message_codec == "bfloat16" or self.overlap:
+            self._wire = torch.empty(*rows, numel, dtype=self.wire_dtype, device=device)
+        self._sent: Tensor | None = None  # m_i of the exchange in flight (float32 or bfloat16)
+
+    # ------------------------------------------------------------------ the wire
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """dtype of the tensor on the wire (and of a transport's receive buffers)."""
+        return wire_format(self.message_codec, self.numel)[1]
+
+    @property
+    def wire_numel(self) -> int:
+        """Elements of one worker's wire tensor (scales included)."""
+        return wire_format(self.message_codec, self.numel)[0]
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of one worker's message on the wire."""
+        return self.wire_numel * self.wire_dtype.itemsize
+
+    @property
+    def bytes_per_element(self) -> float:
+        """Bytes on the wire per exchanged element (what a network clock charges)."""
+        return self.wire_bytes / self.numel
+
+    @property
+    def mixed(self) -> Tensor:
+        """Where the mixed parameters of this round go (the old round start is no longer needed)."""
+        return self.outer.mixed_destination()
+
+    # ------------------------------------------------------------------ steps 1 and 4: every row at once
+    @torch.no_grad()
+    def begin(self, point: Tensor, *, send: bool = True) -> Tensor | None:
+        """Start the round on ``point`` (thetaH, overwritten with u or p); returns the wire to send.
+
+        With ``send=False`` (a rank that does not exchange) nothing is encoded and None is returned.
+        """
+        self.outer.message(point[..., : self.num_parameters])
+        if self.overlap and bool(self.ready.any()):
+            if point.dim() == 1:
+                point.add_(self.correction)
+            else:
+                rows = self.ready.nonzero().flatten().to(point.device)
+                point.index_add_(0, rows, self.correction.index_select(0, rows))
+            self.ready.zero_()
+        return self._encode(point) if send else None
+
+    def _encode(self, point: Tensor) -> Tensor:
+        if self._codec is not None:
+            self._codec.encode(point, self._wire, decoded=self._own)
+            self._sent = self._own
+            return self._wire
+        if self._wire is None:  # float32 without overlap: the point itself goes out
+            self._sent = point
+            return point
+        self._sent = self._wire.copy_(point)
+        return self._wire
+
+    @torch.no_grad()
+    def finish(self, point: Tensor) -> Tensor:
+        """End the round: :attr:`mixed` holds theta' (parameters); the outer state and ``point`` take it."""
+        new_start = self.outer.finish(None, self.mixed)
+        point[..., : self.num_parameters].copy_(new_start)
+        return new_start
+
+    # ------------------------------------------------------------------ steps 2-3: one worker (row)
+    def _values(self, wire: Tensor) -> Tensor:
+        """A received wire as numbers: itself (float32, bfloat16) or decoded into scratch."""
+        if self._codec is None:
+            return wire
+        return self._codec.decode(wire, self._scratch)
+
+    @torch.no_grad()
+    def mix(self, point: Tensor, received: Received, row: int | None = None) -> list[int]:
+        """Exact mixing (float32, no overlap): parameters into :attr:`mixed`, buffers in place.
+
+        Returns the indices of ``received`` rejected as non-finite.
+        """
+        if self.by_correction:
+            raise RuntimeError("mix() is the exact float32 path; this round mixes by correction()")
+        accepted, rejected = [], []
+        for k, (weight, wire) in enumerate(received):
+            if all_finite(wire):
+                accepted.append((weight, wire))
+            else:
+                rejected.append(k)
+        n = self.num_parameters
+        u = point if row is None else point[row]
+        mixed = self.mixed if row is None else self.mixed[row]
+        mix(u[:n], [(w, r[:n]) for w, r in accepted], out=mixed)
+        if self.numel > n:
+            if row is not None:
+                raise ValueError("stacked rows carry no buffers")
+            mix(u[n:], [(w, r[n:]) for w, r in accepted], out=u[n:])
+        return rejected
+
+    @torch.no_grad()
+    def correct(self, received: Received, row: int | None = None) -> list[int]:
+        """C_i = beta sum_j w_ij (m_j - m_i) from the peers' wires into :attr:`correction`.
+
+        Returns the indices of ``received`` rejected as non-finite (their share is left out).
+        """
+        if not self.by_correction:
+            raise RuntimeError("correct() needs overlap or a lossy codec; this round mixes exactly")
+        if self._sent is None:
+            raise RuntimeError("correct() before begin(): no message was sent")
+        if bool(self.ready if row is None else self.ready[row]):
+            raise RuntimeError("a correction was computed before the previous one was applied")
+        out = self.correction if row is None else self.correction[row]
+        own = self._sent if row is None else self._sent[row]
+        total, rejected = 0.0, []
+        for k, (weight, wire) in enumerate(received):
+            values = self._values(wire)
+            if not all_finite(values):
+                rejected.append(k)
+                continue
+            if total == 0.0:
+                out.copy_(values).mul_(self._scale * weight)
+            else:
+                out.add_(values, alpha=self._scale * weight)
+            total += weight
+        if total:
+            out.add_(own, alpha=-self._scale * total)
+        if row is None:
+            self.ready.fill_(bool(total))
+        else:
+            self.ready[row] = bool(total)
+        return rejected
+
+    @torch.no_grad()
+    def apply_correction(self, point: Tensor, row: int | None = None) -> None:
+        """Without overlap: theta' = u + C now (parameters into :attr:`mixed`, buffers in place)."""
+        n = self.num_parameters
+        u = point if row is None else point[row]
+        mixed = self.mixed if row is None else self.mixed[row]
+        ready = self.ready if row is None else self.ready[row]
+        if not bool(ready):
+            mixed.copy_(u[:n])
+            return
+        correction = self.correction if row is None else self.correction[row]
+        torch.add(u[:n], correction[:n], out=mixed)
+        if self.numel > n:
+            u[n:].add_(correction[n:])
+        if row is None:
+            self.ready.fill_(False)
+        else:
+            self.ready[row] = False
+
+    @torch.no_grad()
+    def hold(self, point: Tensor, row: int | None = None) -> None:
+        """With overlap: this round's result is the point p itself; its exchange is folded in next round."""
+        n = self.num_parameters
+        (self.mixed if row is None else self.mixed[row]).copy_((point if row is None else point[row])[:n])
+
+    @torch.no_grad()
+    def flush(self, point: Tensor) -> None:
+        """End of training: fold a correction still pending into the point and the round start."""
+        if self.correction is None or not bool(self.ready.any()):
+            return
+        if point.dim() == 1:
+            point.add_(self.correction)
+            self.outer.round_start.add_(self.correction[: self.num_parameters])
+        else:
+            rows = self.ready.nonzero().flatten().to(point.device)
+            point.index_add_(0, rows, self.correction.index_select(0, rows))
+            self.outer.round_start.index_add_(0, rows, self.correction.index_select(0, rows))
+        self.ready.zero_()
+
+    @torch.no_grad()
+    def join(self, worker: int, source: int) -> None:
+        """Stacked rows: a joining worker takes its source's outer state (round start and anchor)."""
+        for buffer in (self.outer.round_start, self.outer.anchor):
+            buffer[worker].copy_(buffer[source])
+        self.ready[worker] = False
+
+    def state_dict(self) -> dict:
+        """The outer state and an unapplied correction (after the exchange in flight has completed)."""
+        ready = bool(self.ready.any())
+        return {"outer": self.outer.state_dict(), "ready": ready,
+                "correction": self.correction.clone() if ready else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.outer.load_state_dict(state["outer"])
+        ready = bool(state.get("ready", False))
+        if ready:
+            if self.correction is None or state["correction"].shape != self.correction.shape:
+                raise ValueError("the checkpoint holds a pending correction this round cannot take "
+                                 "(overlap or the codec changed, or another model)")
+            self.correction.copy_(state["correction"])
+        self.ready.fill_(ready)
+
+
+class DiLoCoRound:
+    """DiLoCo's outer step: the shared round start theta and its outer Nesterov SGD.
+
+    Args:
+        initial: the flat starting parameters (copied).
+        outer_lr: eta of the outer SGD.
+        outer_momentum: gamma, its Nesterov momentum (0 disables momentum).
+    """
+
+    def __init__(self, initial: Tensor, *, outer_lr: float, outer_momentum: float) -> None:
+        validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
+        self.round_start = nn.Parameter(initial.detach().to(torch.float32, copy=True))
+        self.optimizer = torch.optim.SGD([self.round_start], lr=outer_lr, momentum=outer_momentum,
+                                         nesterov=outer_momentum > 0)
+
+    @torch.no_grad()
+    def pseudo_gradient(self, local_end: Tensor, out: Tensor | None = None) -> Tensor:
+        """Delta = theta - thetaH (rows: every worker's), into ``out`` (default: over ``local_end``)."""
+        return torch.sub(self.round_start, local_end, out=local_end if out is None else out)
+
+    @torch.no_grad()
+    def step(self, mean_pseudo_gradient: Tensor) -> Tensor:
+        """The outer step with the workers' mean Delta; returns the new round start."""
+        self.round_start.grad = mean_pseudo_gradient
+        self.optimizer.step()
+        self.round_start.grad = None
+        return self.round_start.detach()
+
+    @torch.no_grad()
+    def reset(self, point: Tensor) -> None:
+        """Move the round start to ``point`` (replicas averaged outside a round); momentum is kept."""
+        self.round_start.copy_(point)
+
+    def state_dict(self) -> dict:
+        return {"round_start": self.round_start.detach().clone(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["round_start"].shape != self.round_start.shape:
+            raise ValueError(f"outer state has {state['round_start'].numel()} elements, this model needs "
+                             f"{self.round_start.numel()}: the checkpoint belongs to another model")
+        with torch.no_grad():
+            self.round_start.copy_(state["round_start"])
+        self.optimizer.load_state_dict(state["optimizer"])
