@@ -36,9 +36,9 @@ def _targets(node) -> list[str]:
     return []
 
 
-# Arguments the Trainer or a test supplies, never a config file.
+# Arguments the Trainer or a test supplies, never a config file (and message_dtype, message_codec's former name).
 _NOT_CONFIGURED = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-                   "rank", "world_size"}
+                   "rank", "world_size", "message_dtype"}
 
 
 def _parameters(cls) -> tuple[set[str], bool]:

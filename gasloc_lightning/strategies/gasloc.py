@@ -312,24 +312,30 @@ class GASLoCStrategy(LocalStepsStrategy):
     def strategy_state_dict(self) -> dict[str, Any]:
         state = super().strategy_state_dict()
         if self._round is None:
-            state["round"] = None
+            state["outer"] = None
             return state
         self._drain_exchanges()
-        state["round"] = self._round.state_dict()
-        completed = self._completed
-        state["completed_exchange"] = None if completed is None else {
-            "round_index": completed.round_index, "peers": completed.peers,
-            "peer_clocks": completed.peer_clock_values(),
-        }
+        round_state = self._round.state_dict()
+        state["outer"] = round_state["outer"]
+        if self._round.by_correction:
+            completed = self._completed
+            state["exchange"] = {
+                "ready": round_state["ready"], "correction": round_state["correction"],
+                "completed": None if completed is None else {
+                    "round_index": completed.round_index, "peers": completed.peers,
+                    "peer_clocks": completed.peer_clock_values()},
+            }
         return state
 
     @override
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_strategy_state_dict(state)
-        if self._round is None or state.get("round") is None:
+        if self._round is None or state.get("outer") is None:
             return
-        self._round.load_state_dict(state["round"])
-        completed = state.get("completed_exchange")
+        exchange = state.get("exchange") or {}
+        self._round.load_state_dict({"outer": state["outer"], "ready": exchange.get("ready", False),
+                                     "correction": exchange.get("correction")})
+        completed = exchange.get("completed")
         self._completed = None if completed is None else PendingExchange(
             round_index=completed["round_index"], peers=dict(completed["peers"]),
             peer_clocks={p: torch.tensor([c], dtype=torch.float64) for p, c in completed["peer_clocks"].items()},
