@@ -181,8 +181,9 @@ def test_validation_evaluates_the_consensus_and_logs_the_local_loss(tmp_path, fr
     assert float(metrics["val/loss"]) != pytest.approx(float(metrics["val/loss_local"]), rel=1e-6)
 
 
-def test_world_size_one_runs_local_training_with_outer_steps(tmp_path):
-    strategy = GASLoCStrategy(inner_steps=2)
+@pytest.mark.parametrize("codec,overlap", [("float32", False), ("int8", False), ("bfloat16", True)])
+def test_world_size_one_runs_local_training_with_outer_steps(tmp_path, codec, overlap):
+    strategy = GASLoCStrategy(inner_steps=2, message_codec=codec, overlap=overlap)
     trainer, model = fit(strategy, tmp_path, devices=1, max_steps=4)
     assert strategy.round_index == 2 and strategy.bytes_sent == 0
 

@@ -30,11 +30,16 @@ act on every row at once. Every update is elementwise, so a row computes exactly
 
 **DiLoCo** (:class:`DiLoCoRound`): the pseudo-gradient Delta_i = theta - thetaH_i, its mean over
 the workers (the engine's all-reduce), and an outer ``torch.optim.SGD(lr=eta, momentum=gamma,
-nesterov=gamma > 0)`` step of the shared round start.
+nesterov=gamma > 0)`` step of the shared round start. With a lossy codec the mean is the one a
+quantized all-reduce computes (:class:`EncodedMean`, as torchft's ``allreduce_quantized``): every
+worker encodes its Delta in n chunks, the owner of chunk c decodes the n encodings, sums them in
+worker order, divides by n and encodes that mean again, and every worker decodes every chunk's mean.
+Every worker therefore ends with the same bits; the engines differ only in how the chunks travel.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -69,6 +74,12 @@ def wire_format(message_codec: str, numel: int) -> tuple[int, torch.dtype]:
     if message_codec == "bfloat16":
         return numel, torch.bfloat16
     return build_codec(message_codec).wire_numel(numel), torch.uint8
+
+
+def codec_bytes_per_element(message_codec: str, numel: int) -> float:
+    """Bytes on the wire per element of a ``numel``-element message (what a network clock charges)."""
+    wire_numel, dtype = wire_format(message_codec, numel)
+    return wire_numel * dtype.itemsize / numel
 
 
 class GossipRound:
@@ -145,7 +156,7 @@ class GossipRound:
     @property
     def bytes_per_element(self) -> float:
         """Bytes on the wire per exchanged element (what a network clock charges)."""
-        return self.wire_bytes / self.numel
+        return codec_bytes_per_element(self.message_codec, self.numel)
 
     @property
     def mixed(self) -> Tensor:
@@ -312,6 +323,80 @@ class GossipRound:
                                  "(overlap or the codec changed, or another model)")
             self.correction.copy_(state["correction"])
         self.ready.fill_(ready)
+
+
+class EncodedMean:
+    """The arithmetic of a quantized all-reduce mean over n workers (reduce-scatter, then all-gather, encoded).
+
+    A vector of ``numel`` elements is zero-padded to n chunks of ``chunk`` elements (a multiple of the
+    codec's block), so every chunk's wire has the same size and no block straddles two chunks.
+
+    Args:
+        message_codec: a lossy codec name (``bfloat16``, ``int8``, ``fp8``, ``int4``, ``int2``).
+        numel: elements of the averaged vector.
+        workers: n.
+    """
+
+    def __init__(self, message_codec: str, numel: int, workers: int) -> None:
+        if check_codec(message_codec) == "float32":
+            raise ValueError("EncodedMean is for lossy codecs; a float32 mean is a plain all-reduce")
+        if workers < 1 or numel < 1:
+            raise ValueError(f"workers and numel must be >= 1, got {workers} and {numel}")
+        self.codec = build_codec(message_codec)
+        self.numel, self.workers = int(numel), int(workers)
+        block = self.codec.block_size
+        self.chunk = math.ceil(math.ceil(numel / workers) / block) * block
+        self.chunk_wire = self.codec.wire_numel(self.chunk)
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.workers
+
+    @torch.no_grad()
+    def encode_chunks(self, vector: Tensor, padded: Tensor, wires: Tensor) -> Tensor:
+        """One worker's vector into ``wires`` (n, chunk_wire): row c is chunk c's encoding.
+
+        ``padded`` is a float32 scratch of :attr:`padded` elements (its tail stays zero).
+        """
+        padded[: self.numel].copy_(vector)
+        padded[self.numel :].zero_()
+        self.codec.encode(padded.view(self.workers, self.chunk), wires)
+        return wires
+
+    @torch.no_grad()
+    def reduce_chunk(self, received: Tensor, out_wire: Tensor, scratch: Tensor, total: Tensor) -> Tensor:
+        """The owner of a chunk: ``received`` (n, chunk_wire), row j from worker j, into the encoded mean.
+
+        ``scratch`` and ``total`` are float32 buffers of :attr:`chunk` elements.
+        """
+        total.zero_()
+        for row in received:  # in worker order, as every engine sums
+            total.add_(self.codec.decode(row, scratch))
+        total.div_(self.workers)
+        self.codec.encode(total, out_wire)
+        return out_wire
+
+    @torch.no_grad()
+    def decode_all(self, gathered: Tensor, padded: Tensor, out: Tensor) -> Tensor:
+        """Every chunk's encoded mean (n, chunk_wire) into ``out`` (``numel`` elements)."""
+        self.codec.decode(gathered, padded.view(self.workers, self.chunk))
+        return out.copy_(padded[: self.numel])
+
+    def mean(self, vectors: Tensor) -> Tensor:
+        """All at once in one process (the simulator): the mean of the rows of ``vectors`` (n, numel)."""
+        n = self.workers
+        if vectors.shape != (n, self.numel):
+            raise ValueError(f"vectors must be ({n}, {self.numel}), got {tuple(vectors.shape)}")
+        device = vectors.device
+        padded = torch.empty(self.padded, device=device)
+        wires = self.codec.new_wire(self.chunk, n, n, device=device)  # [worker, chunk]
+        for worker in range(n):
+            self.encode_chunks(vectors[worker], padded, wires[worker])
+        means = self.codec.new_wire(self.chunk, n, device=device)
+        scratch, total = torch.empty(self.chunk, device=device), torch.empty(self.chunk, device=device)
+        for chunk in range(n):
+            self.reduce_chunk(wires[:, chunk], means[chunk], scratch, total)
+        return self.decode_all(means, padded, torch.empty(self.numel, device=device))
 
 
 class DiLoCoRound:

@@ -92,6 +92,7 @@ class DiLoCoStrategySchema(LocalStepsSchema):
     _target_: str = "gasloc_lightning.DiLoCoStrategy"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    message_codec: str = "float32"  # float32 (exact all-reduce), or quantized: bfloat16, int8, fp8, int4, int2
 
 
 @dataclass

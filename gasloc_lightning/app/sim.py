@@ -192,7 +192,8 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
                                    delayed_weight=strategy.delayed_weight, message_codec=strategy.message_codec,
                                    clocks=clocks)
     else:
-        rounds = DiLoCoRounds(initial=replicas.gather(), outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks)
+        rounds = DiLoCoRounds(initial=replicas.gather(), outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks,
+                              message_codec=strategy.get("message_codec", "float32"))
     data_node = cfg.data
     batches = ShardedBatches(
         lambda rank, world_size: hydra.utils.instantiate(data_node, rank=rank, world_size=world_size, _convert_="all"),

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gasloc_lightning.algorithm.round import EncodedMean
+
 log = logging.getLogger(__name__)
 
 
@@ -97,6 +99,7 @@ class GossipTransport:
         self.dtype = dtype
         self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         self._receive_buffers: list[Tensor] = []
+        self._encoded: tuple[EncodedMean, dict[str, Tensor]] | None = None
         self.counters = TrafficCounters()
 
     @property
@@ -188,6 +191,38 @@ class GossipTransport:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         tensor.div_(self.world_size)
         volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self.counters.bytes_sent += volume
+        self.counters.bytes_received += volume
+        self.counters.exchanges += 1
+        return tensor
+
+    def all_reduce_mean_encoded(self, tensor: Tensor, message_codec: str) -> Tensor:
+        """In-place mean over every worker, sent encoded by ``message_codec`` (a quantized all-reduce).
+
+        The chunks of :class:`~gasloc_lightning.algorithm.round.EncodedMean` travel by an all-to-all (each
+        worker receives every worker's encoding of the chunk it owns), and the encoded means by an
+        all-gather: 2 (n - 1) / n of the encoded vector per worker, as a ring all-reduce of it.
+        """
+        n = self.world_size
+        if self._encoded is None or (self._encoded[0].numel, self._encoded[0].workers) != (tensor.numel(), n):
+            mean = EncodedMean(message_codec, tensor.numel(), n)
+            codec, device = mean.codec, tensor.device
+            self._encoded = (mean, {
+                "padded": torch.zeros(mean.padded, device=device),
+                "send": codec.new_wire(mean.chunk, n, device=device),
+                "received": codec.new_wire(mean.chunk, n, device=device),
+                "gathered": codec.new_wire(mean.chunk, n, device=device),
+                "scratch": torch.empty(mean.chunk, device=device), "total": torch.empty(mean.chunk, device=device),
+            })
+        mean, b = self._encoded
+        mean.encode_chunks(tensor, b["padded"], b["send"])
+        dist.all_to_all_single(b["received"], b["send"], group=self.group)
+        own = b["send"][0]  # free once sent
+        mean.reduce_chunk(b["received"], own, b["scratch"], b["total"])
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(b["gathered"].view(-1), own, group=self.group)
+        mean.decode_all(b["gathered"], b["padded"], tensor)
+        volume = 2 * (n - 1) * mean.chunk_wire
         self.counters.bytes_sent += volume
         self.counters.bytes_received += volume
         self.counters.exchanges += 1

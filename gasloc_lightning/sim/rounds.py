@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gasloc_lightning.algorithm.round import DiLoCoRound, GossipRound, check_codec
+from gasloc_lightning.algorithm.round import DiLoCoRound, EncodedMean, GossipRound, check_codec, codec_bytes_per_element
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.network import NetworkModel, SimulatedClock
 from gasloc_lightning.topology import Topology
@@ -61,12 +61,14 @@ class WorkerClocks:
             self.clocks[i].complete_exchange(peer_clocks=peer_clocks, pairs=pairs, nbytes=nbytes)
         self._pending = None
 
-    def all_reduce(self, live: Sequence[int]) -> None:
+    def all_reduce(self, live: Sequence[int], element_size: float | None = None) -> None:
+        """An all-reduce over the live workers; ``element_size``: bytes per element on the wire (quantized)."""
         if not self.enabled:
             return
         latest = max(self.clocks[i].time for i in live)
+        nbytes = None if element_size is None else self.network.message_bytes(element_size=element_size)
         for i in live:
-            self.clocks[i].all_reduce(max_clock=latest)
+            self.clocks[i].all_reduce(max_clock=latest, nbytes=nbytes)
 
     def join(self, worker: int, source: int) -> None:
         """A joining worker starts at its source peer's time."""
@@ -209,11 +211,15 @@ class DiLoCoRounds:
     Args:
         initial: (n, P) float32 starting points (every row equal).
         outer_lr, outer_momentum: eta and gamma.
+        message_codec: ``"float32"`` (exact mean) or a lossy codec: the mean a quantized all-reduce computes.
         clocks: the workers' simulated clocks.
     """
 
-    def __init__(self, *, initial: Tensor, outer_lr: float, outer_momentum: float, clocks: WorkerClocks) -> None:
+    def __init__(self, *, initial: Tensor, outer_lr: float, outer_momentum: float, clocks: WorkerClocks,
+                 message_codec: str = "float32") -> None:
         self.round = DiLoCoRound(initial[0], outer_lr=outer_lr, outer_momentum=outer_momentum)
+        self.message_codec = check_codec(message_codec)
+        self._means: dict[int, EncodedMean] = {}  # by live count
         self.clocks = clocks
         self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
 
@@ -223,11 +229,19 @@ class DiLoCoRounds:
 
     @torch.no_grad()
     def communicate(self, flat: Tensor, round_index: int, live: Sequence[int]) -> None:
-        index = torch.as_tensor(list(live))
+        index, m = torch.as_tensor(list(live)), len(live)
         delta = self.round.pseudo_gradient(flat.index_select(0, index))  # (m, P) pseudo-gradients
-        flat[index] = self.round.step(delta.sum(dim=0).div_(len(live)))
-        self.bytes_sent[index] += ring_all_reduce_bytes(flat.shape[1] * 4, len(live))
-        self.clocks.all_reduce(live)
+        if self.message_codec == "float32" or m == 1:
+            mean = delta.sum(dim=0).div_(m)
+            self.bytes_sent[index] += ring_all_reduce_bytes(flat.shape[1] * 4, m)
+        else:
+            encoded = self._means.setdefault(m, EncodedMean(self.message_codec, flat.shape[1], m))
+            mean = encoded.mean(delta)
+            self.bytes_sent[index] += 2 * (m - 1) * encoded.chunk_wire
+        flat[index] = self.round.step(mean)
+        quantized = self.message_codec != "float32"
+        self.clocks.all_reduce(live, element_size=codec_bytes_per_element(self.message_codec, flat.shape[1])
+                               if quantized else None)
 
     def flush(self, flat: Tensor) -> None:
         """Nothing is in flight with an all-reduce."""

@@ -15,7 +15,7 @@ import torch
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
-from gasloc_lightning.algorithm.round import DiLoCoRound
+from gasloc_lightning.algorithm.round import DiLoCoRound, check_codec, codec_bytes_per_element
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 
 
@@ -28,6 +28,9 @@ class DiLoCoStrategy(LocalStepsStrategy):
         inner_steps: H, optimizer steps per round.
         outer_lr: eta of the outer SGD (DiLoCo: 0.7).
         outer_momentum: gamma, Nesterov momentum of the outer SGD (DiLoCo: 0.9); 0 disables momentum.
+        message_codec: how pseudo-gradients go on the wire: ``"float32"`` (an exact all-reduce) or a lossy codec
+            (``"bfloat16"``, ``"int8"``, ``"fp8"``, ``"int4"``, ``"int2"``): a quantized all-reduce, as torchft's
+            (:class:`~gasloc_lightning.algorithm.round.EncodedMean`); every worker gets the same mean.
         **kwargs: the remaining arguments of :class:`~gasloc_lightning.strategies.gasloc.LocalStepsStrategy`.
     """
 
@@ -39,12 +42,15 @@ class DiLoCoStrategy(LocalStepsStrategy):
         inner_steps: int = 50,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        message_codec: str = "float32",
         **kwargs: Any,
     ) -> None:
         validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
+        check_codec(message_codec)
         super().__init__(inner_steps=inner_steps, **kwargs)
         self._outer_lr = float(outer_lr)
         self._outer_momentum = float(outer_momentum)
+        self._message_codec = message_codec
         self._round: DiLoCoRound | None = None
 
     @property
@@ -54,6 +60,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
     @property
     def outer_momentum(self) -> float:
         return self._outer_momentum
+
+    @property
+    def message_codec(self) -> str:
+        return self._message_codec
 
     @override
     def _init_outer_state(self) -> None:
@@ -66,11 +76,16 @@ class DiLoCoStrategy(LocalStepsStrategy):
         assert self._round is not None and self._transport is not None
         message = self.layout.read()  # thetaH | buffers
         self._guard_local_point(message, self._round.round_start.detach())
-        params, _ = self.layout.split(message)
+        params, buffers = self.layout.split(message)
         self._round.pseudo_gradient(params)  # params now hold Delta_i
-        if self.world_size > 1:
+        if self.world_size > 1 and self._message_codec == "float32":
             self._transport.all_reduce_mean(message)  # mean Delta | mean buffers
             self._clock_all_reduce()
+        elif self.world_size > 1:
+            self._transport.all_reduce_mean_encoded(params, self._message_codec)
+            if buffers.numel():
+                self._transport.all_reduce_mean(buffers)
+            self._clock_all_reduce(codec_bytes_per_element(self._message_codec, params.numel()))
         params.copy_(self._round.step(params))
         self.layout.scatter(message)
 

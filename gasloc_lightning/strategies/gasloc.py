@@ -285,7 +285,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             return
         received = [] if pending is None else self._transport.complete(pending)
         if round_.by_correction:
-            rejected = round_.correct(received)
+            rejected = [] if pending is None else round_.correct(received)  # None: a world of one sent nothing
             round_.apply_correction(point)
         else:
             rejected = round_.mix(point, received)

@@ -429,10 +429,11 @@ class LocalStepsStrategy(DDPStrategy):
         if self._network is not None:
             self._round_clock = RoundClock(self._network, worker=self.worker_index, device=self.root_device)
 
-    def _clock_all_reduce(self) -> None:
-        """An all-reduce round in simulated time (a collective when there is a clock)."""
+    def _clock_all_reduce(self, element_size: float | None = None) -> None:
+        """An all-reduce round in simulated time (a collective when there is a clock); ``element_size``: bytes
+        per element on the wire when the all-reduce is quantized."""
         if self._round_clock is not None:
-            self._round_clock.on_all_reduce()
+            self._round_clock.on_all_reduce(element_size=element_size)
 
     def _clock_tensor(self) -> Tensor:
         if self._round_clock is not None:

@@ -60,11 +60,15 @@ class RoundClock:
         nbytes = self._network.message_bytes(element_size=element_size)
         self.clock.complete_exchange(peer_clocks=dict(peer_clocks), pairs=list(pairs), nbytes=nbytes)
 
-    def on_all_reduce(self, group: dist.ProcessGroup | None = None) -> None:
-        """An all-reduce round in simulated time: it starts at the largest clock (a collective)."""
+    def on_all_reduce(self, group: dist.ProcessGroup | None = None, element_size: float | None = None) -> None:
+        """An all-reduce round in simulated time: it starts at the largest clock (a collective).
+
+        ``element_size``: bytes per element on the wire (a quantized all-reduce); default the network's.
+        """
         latest = self.tensor()
         dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=group)
-        self.clock.all_reduce(max_clock=float(latest.item()))
+        nbytes = None if element_size is None else self._network.message_bytes(element_size=element_size)
+        self.clock.all_reduce(max_clock=float(latest.item()), nbytes=nbytes)
 
     def tensor(self) -> Tensor:
         return torch.tensor([self.clock.time], dtype=torch.float64, device=self._device)
