@@ -179,3 +179,57 @@ def test_diloco_round_is_nesterov_sgd_on_the_mean_pseudo_gradient():
         reference.grad = reference.detach() - local
         optimizer.step()
         assert torch.equal(new, reference.detach())
+
+
+def gossip_rounds(codec, error_feedback, rounds=30, workers=4, numel=512, seed=0):
+    """Pure gossip on a ring of stacked workers (eta = 1, gamma = 0: the outer step is the identity),
+    from a common start (the public copies' origin) moved apart by some training."""
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randn(numel, generator=generator).expand(workers, numel).clone()  # every worker starts equal
+    points = start + 0.1 * torch.randn(workers, numel, generator=generator)  # ... and has trained since
+    r = GossipRound(start, numel, outer_lr=1.0, outer_momentum=0.0, message_codec=codec,
+                    error_feedback=error_feedback)
+    flat = points.clone()
+    ring = {i: sorted({(i - 1) % workers, (i + 1) % workers}) for i in range(workers)}
+    for _ in range(rounds):
+        r.begin(flat)
+        wires = {}
+        for i in range(workers):
+            wires.update({(i, j): w for j, w in zip(ring[i], r.messages(ring[i], row=i))})
+        for i in range(workers):
+            received = [(1 / 3, wires[(j, i)]) for j in ring[i]]
+            if r.by_correction:
+                assert r.correct(received, row=i, peers=ring[i]) == []
+                r.apply_correction(flat, row=i)
+            else:
+                r.mix(flat, received, row=i)
+        r.finish(flat)
+    return points, flat, r
+
+
+@pytest.mark.parametrize("codec", ["int4", "int2"])
+def test_error_feedback_reaches_the_consensus_that_plain_low_bit_gossip_misses(codec):
+    points, exact, _ = gossip_rounds("float32", False)
+    _, plain, _ = gossip_rounds(codec, False)
+    _, feedback, r = gossip_rounds(codec, True)
+    mean = points.mean(dim=0)
+    for result in (plain, feedback):
+        assert torch.allclose(result.mean(dim=0), mean, atol=1e-5)  # the mean is preserved either way
+    spread = lambda x: float((x - x.mean(dim=0)).norm())  # noqa: E731
+    assert spread(exact) < 1e-3 * spread(points)
+    # int4 with feedback reaches the exact gossip's consensus; int2 (no zero level) gets there more slowly
+    assert spread(feedback) < {"int4": 1e-3, "int2": 0.5}[codec] * spread(points)
+    assert spread(plain) > 5 * spread(feedback)  # plain low-bit gossip stalls at its quantization noise
+    assert r.copies.num_copies == 4 * 2 * 2  # 4 workers x 2 neighbours x (sent, received)
+
+
+def test_error_feedback_copies_agree_at_both_ends_of_an_edge():
+    _, _, r = gossip_rounds("int4", True, rounds=5)
+    for i in range(4):
+        for j in ((i - 1) % 4, (i + 1) % 4):
+            assert torch.equal(r.copies.sent(i, j), r.copies._received_copy(j, i))
+
+
+def test_error_feedback_needs_a_lossy_codec():
+    with pytest.raises(ValueError, match="error_feedback"):
+        make_round(torch.zeros(4), error_feedback=True)

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from gasloc_lightning.algorithm.codecs import CODECS, build_codec
+from gasloc_lightning.algorithm.codecs import CODECS, MessageCodec, build_codec
 from gasloc_lightning.algorithm.outer import OuterState, mix, validate_outer_hyperparameters
 
 Received = Sequence[tuple[float, Tensor]]
@@ -93,6 +93,9 @@ class GossipRound:
             ``int4``, ``int2``; see :mod:`gasloc_lightning.algorithm.codecs`).
         overlap: fold each exchange in one round late instead of waiting for it.
         delayed_weight: beta in (0, 1], the scale of the late correction (overlap only).
+        error_feedback: send each peer the encoded *difference* between the point and the public copy that
+            peer holds of it (CHOCO-gossip, per edge; see :class:`EdgeCopies`), instead of the encoded point.
+            Needs a lossy codec and edges that repeat (a fixed or periodic graph).
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class GossipRound:
         message_codec: str = "float32",
         overlap: bool = False,
         delayed_weight: float = 1.0,
+        error_feedback: bool = False,
     ) -> None:
         if initial.dim() not in (1, 2):
             raise ValueError(f"initial must be one point (N,) or stacked rows (n, P), got shape {tuple(initial.shape)}")
@@ -117,6 +121,8 @@ class GossipRound:
         if not 0.0 < delayed_weight <= 1.0:
             raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
         self.message_codec = check_codec(message_codec)
+        if error_feedback and message_codec == "float32":
+            raise ValueError("error_feedback needs a lossy message_codec (int8, fp8, int4, int2, bfloat16)")
         self.num_parameters, self.numel = int(num_parameters), int(numel)
         self.overlap = bool(overlap)
         self.by_correction = self.overlap or message_codec != "float32"
@@ -136,6 +142,9 @@ class GossipRound:
         elif message_codec == "bfloat16" or self.overlap:
             self._wire = torch.empty(*rows, numel, dtype=self.wire_dtype, device=device)
         self._sent: Tensor | None = None  # m_i of the exchange in flight (float32 or bfloat16)
+        self.copies = EdgeCopies(initial, build_codec(message_codec)) if error_feedback else None
+        self._point: Tensor | None = None  # u (p) of this round, for the per-peer messages of error feedback
+        self._outgoing: Tensor | None = None  # the wire every peer gets (without error feedback)
 
     # ------------------------------------------------------------------ the wire
     @property
@@ -178,18 +187,30 @@ class GossipRound:
                 rows = self.ready.nonzero().flatten().to(point.device)
                 point.index_add_(0, rows, self.correction.index_select(0, rows))
             self.ready.zero_()
+        if self.copies is not None:
+            self._point = point
+            return None
         return self._encode(point) if send else None
+
+    def messages(self, peers: Sequence[int], row: int | None = None) -> list[Tensor]:
+        """The wire for each peer (sorted ids), after :meth:`begin`: the same wire for all, or, with error
+        feedback, each peer's encoded difference to its public copy (which this call advances)."""
+        if self.copies is None:
+            if self._outgoing is None:
+                raise RuntimeError("messages() before begin()")
+            return [self._outgoing if row is None else self._outgoing[row]] * len(peers)
+        point = self._point if row is None else self._point[row]
+        return [self.copies.encode(point, row, peer) for peer in peers]
 
     def _encode(self, point: Tensor) -> Tensor:
         if self._codec is not None:
             self._codec.encode(point, self._wire, decoded=self._own)
-            self._sent = self._own
-            return self._wire
-        if self._wire is None:  # float32 without overlap: the point itself goes out
-            self._sent = point
-            return point
-        self._sent = self._wire.copy_(point)
-        return self._wire
+            self._sent, self._outgoing = self._own, self._wire
+        elif self._wire is None:  # float32 without overlap: the point itself goes out
+            self._sent = self._outgoing = point
+        else:
+            self._sent = self._outgoing = self._wire.copy_(point)
+        return self._outgoing
 
     @torch.no_grad()
     def finish(self, point: Tensor) -> Tensor:
@@ -230,13 +251,19 @@ class GossipRound:
         return rejected
 
     @torch.no_grad()
-    def correct(self, received: Received, row: int | None = None) -> list[int]:
+    def correct(self, received: Received, row: int | None = None, peers: Sequence[int] | None = None) -> list[int]:
         """C_i = beta sum_j w_ij (m_j - m_i) from the peers' wires into :attr:`correction`.
 
+        With error feedback m_j is the public copy of j's point that this worker holds, and m_i the copy
+        j holds of this worker's (``peers``: the ids of ``received``'s senders, in order).
         Returns the indices of ``received`` rejected as non-finite (their share is left out).
         """
         if not self.by_correction:
             raise RuntimeError("correct() needs overlap or a lossy codec; this round mixes exactly")
+        if self.copies is not None:
+            if peers is None or len(peers) != len(received):
+                raise ValueError("error feedback needs the peer id of every received message")
+            return self._correct_from_copies(received, row, peers)
         if self._sent is None:
             raise RuntimeError("correct() before begin(): no message was sent")
         if bool(self.ready if row is None else self.ready[row]):
@@ -256,6 +283,25 @@ class GossipRound:
             total += weight
         if total:
             out.add_(own, alpha=-self._scale * total)
+        if row is None:
+            self.ready.fill_(bool(total))
+        else:
+            self.ready[row] = bool(total)
+        return rejected
+
+    def _correct_from_copies(self, received: Received, row: int | None, peers: Sequence[int]) -> list[int]:
+        if bool(self.ready if row is None else self.ready[row]):
+            raise RuntimeError("a correction was computed before the previous one was applied")
+        out = self.correction if row is None else self.correction[row]
+        out.zero_()
+        total, rejected = 0.0, []
+        for k, ((weight, wire), peer) in enumerate(zip(received, peers)):
+            theirs = self.copies.decode(wire, row, peer)
+            if theirs is None:
+                rejected.append(k)
+                continue
+            out.add_(theirs, alpha=self._scale * weight).sub_(self.copies.sent(row, peer), alpha=self._scale * weight)
+            total += weight
         if row is None:
             self.ready.fill_(bool(total))
         else:
@@ -311,11 +357,18 @@ class GossipRound:
     def state_dict(self) -> dict:
         """The outer state and an unapplied correction (after the exchange in flight has completed)."""
         ready = bool(self.ready.any())
-        return {"outer": self.outer.state_dict(), "ready": ready,
-                "correction": self.correction.clone() if ready else None}
+        state = {"outer": self.outer.state_dict(), "ready": ready,
+                 "correction": self.correction.clone() if ready else None}
+        if self.copies is not None:
+            state["copies"] = self.copies.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.outer.load_state_dict(state["outer"])
+        if self.copies is not None:
+            if state.get("copies") is None:
+                raise ValueError("the checkpoint has no error-feedback copies (error_feedback was off)")
+            self.copies.load_state_dict(state["copies"])
         ready = bool(state.get("ready", False))
         if ready:
             if self.correction is None or state["correction"].shape != self.correction.shape:
@@ -323,6 +376,95 @@ class GossipRound:
                                  "(overlap or the codec changed, or another model)")
             self.correction.copy_(state["correction"])
         self.ready.fill_(ready)
+
+
+class EdgeCopies:
+    """Error feedback for gossip on repeated edges: per-edge public copies (CHOCO-gossip, Koloskova et al. 2019).
+
+    For each edge (i, j) both ends hold the same two copies: x_ij, what j knows of i's point, and x_ji,
+    what i knows of j's. When the edge is active, i sends q = Q(u_i - x_ij) and both ends add the
+    decoded q to x_ij (j symmetrically). Worker i then mixes with the copies,
+    ``C_i = beta sum_j w_ij (x_ji - x_ij)``: antisymmetric per edge, since both ends hold identical
+    copies (decoding is deterministic), so the replicas' mean is preserved exactly. The compressed
+    quantity u_i - x_ij shrinks as the copy tracks the point, so 4 and 2 bits suffice where the point
+    itself could not be sent with them. The copies start at the initial point, which every worker holds.
+
+    Memory: two model copies per distinct neighbour (ring: 4, torus: 8, exponential: 2 log2 n), plus the
+    initial point. Random matchings (``one_peer``, ``two_peer``, ``bandwidth_aware``) are refused by the
+    engines: an edge recurs about once in n - 1 rounds, so a worker would keep 2 (n - 1) copies, each
+    stale by n rounds of training.
+
+    Args:
+        initial: the starting point(s), ``(N,)`` or stacked ``(n, P)``.
+        codec: the lossy codec of the differences.
+    """
+
+    def __init__(self, initial: Tensor, codec: MessageCodec) -> None:
+        self.origin = initial.detach().to(torch.float32, copy=True)
+        self.codec = codec
+        self._sent: dict[tuple[int | None, int], Tensor] = {}  # (row, peer): x_ij
+        self._received: dict[tuple[int | None, int], Tensor] = {}  # (row, peer): x_ji
+        self._wires: dict[tuple[int | None, int], Tensor] = {}
+        numel = self.origin.shape[-1]
+        self._scratch = torch.empty(numel, device=self.origin.device)
+        self.wire_dtype = wire_format(codec.name, numel)[1]
+
+    def _start(self, row: int | None) -> Tensor:
+        return self.origin if row is None else self.origin[row]
+
+    def sent(self, row: int | None, peer: int) -> Tensor:
+        """x_ij: the copy peer j holds of this worker's (row's) point."""
+        key = (row, peer)
+        if key not in self._sent:
+            self._sent[key] = self._start(row).clone()
+        return self._sent[key]
+
+    def _received_copy(self, row: int | None, peer: int) -> Tensor:
+        key = (row, peer)
+        if key not in self._received:
+            self._received[key] = self._start(row).clone()  # every row starts from the same point
+        return self._received[key]
+
+    @property
+    def num_copies(self) -> int:
+        """Model-size copies held now (both directions of every edge seen so far)."""
+        return len(self._sent) + len(self._received)
+
+    @torch.no_grad()
+    def encode(self, point: Tensor, row: int | None, peer: int) -> Tensor:
+        """The wire of Q(u_i - x_ij) for ``peer``; x_ij advances by its decoded value."""
+        copy = self.sent(row, peer)
+        key = (row, peer)
+        if key not in self._wires:
+            self._wires[key] = self.codec.new_wire(copy.numel(), device=copy.device)
+        difference = torch.sub(point, copy, out=self._scratch)
+        self.codec.encode(difference, self._wires[key], decoded=difference)
+        copy.add_(difference)
+        return self._wires[key].view(self.wire_dtype)  # bfloat16 travels as bfloat16, as without feedback
+
+    @torch.no_grad()
+    def decode(self, wire: Tensor, row: int | None, peer: int) -> Tensor | None:
+        """Advance x_ji by the decoded wire from ``peer``; None (nothing changed) when it is not finite."""
+        difference = self.codec.decode(wire.view(torch.uint8), self._scratch)
+        if not all_finite(difference):
+            return None
+        return self._received_copy(row, peer).add_(difference)
+
+    def state_dict(self) -> dict:
+        return {"sent": {f"{r}:{p}": t.clone() for (r, p), t in self._sent.items()},
+                "received": {f"{r}:{p}": t.clone() for (r, p), t in self._received.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        def key(text: str) -> tuple[int | None, int]:
+            row, peer = text.split(":")
+            return (None if row == "None" else int(row)), int(peer)
+
+        for name, target in (("sent", self._sent), ("received", self._received)):
+            target.clear()
+            for text, tensor in state[name].items():
+                if tensor.shape != self.origin.shape[-1:]:
+                    raise ValueError(f"error-feedback copy {name}[{text}] does not fit this model")
+                target[key(text)] = tensor.clone().to(self.origin.device)
 
 
 class EncodedMean:

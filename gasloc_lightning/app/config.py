@@ -85,6 +85,7 @@ class GASLoCStrategySchema(LocalStepsSchema):
     overlap: bool = False
     delayed_weight: float = 1.0
     message_codec: str = "float32"  # float32, bfloat16, int8, fp8, int4, int2
+    error_feedback: bool = False  # CHOCO public copies per edge (fixed or periodic graphs)
 
 
 @dataclass

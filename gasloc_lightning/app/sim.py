@@ -190,6 +190,7 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
         rounds: Any = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
                                    outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
                                    delayed_weight=strategy.delayed_weight, message_codec=strategy.message_codec,
+                                   error_feedback=strategy.get("error_feedback", False),
                                    clocks=clocks)
     else:
         rounds = DiLoCoRounds(initial=replicas.gather(), outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks,

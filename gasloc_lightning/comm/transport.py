@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -119,22 +119,27 @@ class GossipTransport:
         return list(flat.split(self._bucket_numel))
 
     def post(
-        self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None = None
+        self, message: Tensor | Sequence[Tensor], peers: Mapping[int, float], round_index: int,
+        clock: float | None = None,
     ) -> PendingExchange:
         """Start sending ``message`` (and this worker's simulated ``clock``, if any) to every peer and
-        receiving theirs; returns at once."""
+        receiving theirs; returns at once. ``message`` may also be one tensor per peer, in sorted peer order
+        (error feedback sends each peer its own difference)."""
         pending = PendingExchange(round_index=round_index, peers=dict(peers))
         if not peers:
             return pending
+        messages = [message] * len(peers) if isinstance(message, Tensor) else list(message)
+        if len(messages) != len(peers):
+            raise ValueError(f"{len(messages)} messages for {len(peers)} peers")
         ops = [] if clock is None else self._clock_ops(clock, peers, pending)
-        for slot, peer in enumerate(sorted(peers)):
+        for slot, (peer, outgoing) in enumerate(zip(sorted(peers), messages)):
             incoming = self.receive_buffer(slot)
-            for send, recv in zip(self._buckets(message), self._buckets(incoming)):
+            for send, recv in zip(self._buckets(outgoing), self._buckets(incoming)):
                 ops.append(dist.P2POp(dist.isend, send, peer, group=self.group))
                 ops.append(dist.P2POp(dist.irecv, recv, peer, group=self.group))
             pending.received.append((peers[peer], incoming))
         pending.works = dist.batch_isend_irecv(ops)
-        num_bytes = message.numel() * message.element_size() * len(peers)
+        num_bytes = sum(m.numel() * m.element_size() for m in messages)
         self.counters.bytes_sent += num_bytes
         self.counters.bytes_received += num_bytes
         self.counters.exchanges += 1

@@ -102,6 +102,7 @@ class GossipRounds:
         overlap: fold each exchange in one round late.
         delayed_weight: beta, the scale of the late correction (overlap only).
         message_codec: how messages go on the wire (see :mod:`gasloc_lightning.algorithm.codecs`).
+        error_feedback: per-edge public copies (see :class:`~gasloc_lightning.algorithm.round.EdgeCopies`).
         clocks: the workers' simulated clocks.
     """
 
@@ -116,15 +117,20 @@ class GossipRounds:
         overlap: bool = False,
         delayed_weight: float = 1.0,
         message_codec: str = "float32",
+        error_feedback: bool = False,
         clocks: WorkerClocks,
     ) -> None:
         check_codec(message_codec)
         if topology.uses_all_reduce and (overlap or message_codec != "float32"):
             raise ValueError("overlap and lossy codecs apply to point-to-point gossip, not topology='complete'")
+        workers = initial.shape[0]
+        if error_feedback and workers > 1 and topology.schedule_period(workers) is None:
+            raise ValueError(f"error_feedback needs edges that repeat; topology {topology.name!r} draws random "
+                             "partners (use ring, torus or exponential)")
         self.topology, self.clocks = topology, clocks
         self.round = GossipRound(initial, initial.shape[1], outer_lr=outer_lr, outer_momentum=outer_momentum,
                                  outer_form=outer_form, message_codec=message_codec, overlap=overlap,
-                                 delayed_weight=delayed_weight)
+                                 delayed_weight=delayed_weight, error_feedback=error_feedback)
         self.outer = self.round.outer
         self.overlap = self.round.overlap
         self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
@@ -137,30 +143,36 @@ class GossipRounds:
         if self.overlap:
             self.clocks.complete()  # the previous round's exchange ends (in simulated time) now
             self._complete_in_flight()
-        wire = round_.begin(flat)
+        round_.begin(flat)
         if self.topology.uses_all_reduce:
             self._all_reduce(flat, live)
         else:
             peers = round_peers(self.topology, live, round_index)
             self._post(peers, live)
+            wires = {}  # (sender, receiver): what travels on that edge
+            for i in live:
+                targets = sorted(peers[i])
+                wires.update({(i, j): wire for j, wire in zip(targets, round_.messages(targets, row=i))})
             if self.overlap:
-                self._in_flight = (wire, peers, list(live))
+                self._in_flight = (wires, peers, list(live))
                 for i in live:
                     round_.hold(flat, row=i)
             else:
                 for i in live:
-                    self._receive(flat, wire, peers, i)
+                    self._receive(flat, wires, peers, i)
                     if round_.by_correction:
                         round_.apply_correction(flat, row=i)
                 self.clocks.complete()
         round_.finish(flat)
 
-    _in_flight: tuple[Tensor, dict[int, dict[int, float]], list[int]] | None = None
+    _in_flight: tuple[dict[tuple[int, int], Tensor], dict[int, dict[int, float]], list[int]] | None = None
 
-    def _receive(self, flat: Tensor, wire: Tensor, peers: dict[int, dict[int, float]], i: int) -> None:
-        received = [(w, wire[j]) for j, w in sorted(peers[i].items())]
+    def _receive(self, flat: Tensor | None, wires: dict[tuple[int, int], Tensor],
+                 peers: dict[int, dict[int, float]], i: int) -> None:
+        senders = sorted(peers[i])
+        received = [(peers[i][j], wires[(j, i)]) for j in senders]
         if self.round.by_correction:
-            self.rejected += len(self.round.correct(received, row=i))
+            self.rejected += len(self.round.correct(received, row=i, peers=senders))
         else:
             self.rejected += len(self.round.mix(flat, received, row=i))
 

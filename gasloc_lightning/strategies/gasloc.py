@@ -57,6 +57,9 @@ class GASLoCStrategy(LocalStepsStrategy):
             :mod:`gasloc_lightning.algorithm.codecs`). Each worker mixes with its own *decoded* message, so the
             replicas' mean is preserved exactly; only their disagreement sees the rounding.
         message_dtype: the former name of ``message_codec`` (``"float32"`` or ``"bfloat16"``).
+        error_feedback: with a lossy codec, send each peer the encoded difference between this worker's point
+            and the public copy that peer holds of it (CHOCO-gossip per edge; two model copies per neighbour).
+            Needs a topology whose edges repeat (``ring``, ``torus``, ``exponential``, a fixed custom graph).
         **kwargs: the arguments of :class:`LocalStepsStrategy` (timeouts, ``on_nonfinite``, ``cpu_threads``,
             ``start_method`` and Lightning's ``DDPStrategy`` arguments).
     """
@@ -76,6 +79,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         delayed_weight: float = 1.0,
         message_codec: str | None = None,
         message_dtype: Literal["float32", "bfloat16"] | None = None,
+        error_feedback: bool = False,
         **kwargs: Any,
     ) -> None:
         if isinstance(topology, str) and topology.lower() not in TOPOLOGIES:
@@ -84,12 +88,15 @@ class GASLoCStrategy(LocalStepsStrategy):
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         message_codec = _resolve_codec(message_codec, message_dtype)
+        if error_feedback and message_codec == "float32":
+            raise ValueError("error_feedback=True needs a lossy message_codec (int8, fp8, int4, int2 or bfloat16)")
         if not 0.0 < delayed_weight <= 1.0:
             raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
         super().__init__(inner_steps=inner_steps, **kwargs)
         self._overlap = bool(overlap)
         self._delayed_weight = float(delayed_weight)
         self._message_codec = message_codec
+        self._error_feedback = bool(error_feedback)
         self._round: GossipRound | None = None
         self._pending: PendingExchange | None = None  # an overlapped exchange in flight
         self._completed: PendingExchange | None = None  # the last finished exchange (its peers' clocks)
@@ -134,6 +141,10 @@ class GASLoCStrategy(LocalStepsStrategy):
         return self._message_codec
 
     @property
+    def error_feedback(self) -> bool:
+        return self._error_feedback
+
+    @property
     @override
     def message_dtype(self) -> torch.dtype:
         """The dtype of the tensor on the wire (``torch.uint8`` for the quantized codecs)."""
@@ -148,6 +159,12 @@ class GASLoCStrategy(LocalStepsStrategy):
         """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""
         super().check_configuration(world_size)
         world_size //= self.ranks_per_worker  # the graph connects workers
+        if self._error_feedback and world_size // self.ranks_per_worker > 1 \
+                and self._topology.schedule_period(world_size // self.ranks_per_worker) is None:
+            raise ValueError(
+                f"error_feedback=True needs edges that repeat, and topology {self._topology.name!r} draws random "
+                "partners: use ring, torus or exponential, or turn error_feedback off (see docs/algorithm.md)"
+            )
         if self._topology.uses_all_reduce and (self._overlap or self._message_codec != "float32"):
             raise ValueError(
                 "overlap=True and message_codec other than 'float32' apply to point-to-point gossip; "
@@ -201,7 +218,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         self._round = GossipRound(
             self.layout.read(), self.layout.num_parameter_elements, outer_lr=self._outer_lr,
             outer_momentum=self.outer_momentum, outer_form=self._outer_form, message_codec=self._message_codec,
-            overlap=self._overlap, delayed_weight=self._delayed_weight,
+            overlap=self._overlap, delayed_weight=self._delayed_weight, error_feedback=self._error_feedback,
         )
         self._pending = self._completed = None
 
@@ -212,7 +229,8 @@ class GASLoCStrategy(LocalStepsStrategy):
             return
         pending, self._pending = self._pending, None
         self._completed = pending
-        self._reject(self._round.correct(self._transport.complete(pending)), pending)
+        received = self._transport.complete(pending)
+        self._reject(self._round.correct(received, peers=sorted(pending.peers)), pending)
 
     def _reject(self, rejected: list[int], pending: PendingExchange) -> None:
         """Count the messages the round refused as non-finite, by peer."""
@@ -278,14 +296,18 @@ class GASLoCStrategy(LocalStepsStrategy):
             self._complete_clock(self._completed)
             self._completed = None
         clock = self._round_clock.on_post() if self._round_clock is not None else None
-        pending = self._transport.post(wire, self.peers(), self.round_index, clock) if wire is not None else None
+        peers = self.peers()
+        pending = None
+        if wire is not None or round_.copies is not None and self.world_size > 1:
+            pending = self._transport.post(round_.messages(sorted(peers)), peers, self.round_index, clock)
         if self._overlap:
             self._pending = pending
             round_.hold(point)
             return
         received = [] if pending is None else self._transport.complete(pending)
         if round_.by_correction:
-            rejected = [] if pending is None else round_.correct(received)  # None: a world of one sent nothing
+            # None: a world of one sent nothing
+            rejected = [] if pending is None else round_.correct(received, peers=sorted(pending.peers))
             round_.apply_correction(point)
         else:
             rejected = round_.mix(point, received)
@@ -324,6 +346,7 @@ class GASLoCStrategy(LocalStepsStrategy):
                 "completed": None if completed is None else {
                     "round_index": completed.round_index, "peers": completed.peers,
                     "peer_clocks": completed.peer_clock_values()},
+                "copies": round_state.get("copies"),
             }
         return state
 
@@ -334,7 +357,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             return
         exchange = state.get("exchange") or {}
         self._round.load_state_dict({"outer": state["outer"], "ready": exchange.get("ready", False),
-                                     "correction": exchange.get("correction")})
+                                     "correction": exchange.get("correction"), "copies": exchange.get("copies")})
         completed = exchange.get("completed")
         self._completed = None if completed is None else PendingExchange(
             round_index=completed["round_index"], peers=dict(completed["peers"]),
