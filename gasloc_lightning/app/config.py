@@ -86,6 +86,9 @@ class GASLoCStrategySchema(LocalStepsSchema):
     delayed_weight: float = 1.0
     message_codec: str = "float32"  # float32, bfloat16, int8, fp8, int4, int2
     error_feedback: bool = False  # CHOCO public copies per edge (fixed or periodic graphs)
+    fragments: int = 1  # fragment gossip: F fragments, each its own round, staggered through the round
+    fragment_sync_delay: int = 0  # steps between a fragment's message leaving and its mix landing
+    fragment_update_alpha: float = 0.0  # live share when a fragment lands
 
 
 @dataclass
@@ -94,6 +97,10 @@ class DiLoCoStrategySchema(LocalStepsSchema):
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     message_codec: str = "float32"  # float32 (exact all-reduce), or quantized: bfloat16, int8, fp8, int4, int2
+    fragments: int = 1  # Streaming DiLoCo: fragments synced in turn
+    fragment_sync_delay: int = 0  # steps between a fragment's pseudo-gradient leaving and its outer step
+    fragment_update_alpha: float = 0.0  # live share when a fragment lands
+    overlap: bool = False  # the longest fragment_sync_delay the schedule allows
 
 
 @dataclass

@@ -30,6 +30,8 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from gasloc_lightning.algorithm.fragments import resolve_points
+from gasloc_lightning.algorithm.streaming import fragment_bounds
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.summary import SUMMARY_FILE, SUMMARY_FORMAT, count_rounds
 from gasloc_lightning.app.train import check_budget
@@ -190,11 +192,13 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
         rounds: Any = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
                                    outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
                                    delayed_weight=strategy.delayed_weight, message_codec=strategy.message_codec,
-                                   error_feedback=strategy.get("error_feedback", False),
-                                   clocks=clocks)
+                                   error_feedback=strategy.get("error_feedback", False), clocks=clocks,
+                                   **_streaming(strategy, inner_steps, per_worker, model.model, overlap=False))
     else:
         rounds = DiLoCoRounds(initial=replicas.gather(), outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks,
-                              message_codec=strategy.get("message_codec", "float32"))
+                              message_codec=strategy.get("message_codec", "float32"),
+                              **_streaming(strategy, inner_steps, per_worker, model.model,
+                                           overlap=strategy.get("overlap", False)))
     data_node = cfg.data
     batches = ShardedBatches(
         lambda rank, world_size: hydra.utils.instantiate(data_node, rank=rank, world_size=world_size, _convert_="all"),
@@ -281,3 +285,19 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     main()
+
+
+def _streaming(strategy: DictConfig, inner_steps: int, per_worker: list[int], module: torch.nn.Module,
+               overlap: bool) -> dict[str, Any]:
+    """The rounds' fragment arguments, as the strategies resolve them (none when the round is not streamed);
+    ``overlap``: DiLoCo's (the longest delay), never GASLoC's (a whole-model round late)."""
+    fragments, delay = strategy.get("fragments", 1), strategy.get("fragment_sync_delay", 0)
+    alpha = strategy.get("fragment_update_alpha", 0.0)
+    if fragments == 1 and not delay and not alpha and not overlap:
+        return {}
+    if len(set(per_worker)) > 1:
+        raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap need one inner_steps "
+                         "for every worker")
+    sizes = [p.numel() for p in module.parameters() if p.requires_grad]
+    return {"points": resolve_points(inner_steps, fragments, delay, overlap),
+            "bounds": fragment_bounds(sizes, fragments), "fragment_update_alpha": alpha}

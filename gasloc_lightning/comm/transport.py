@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -133,7 +134,7 @@ class GossipTransport:
             raise ValueError(f"{len(messages)} messages for {len(peers)} peers")
         ops = [] if clock is None else self._clock_ops(clock, peers, pending)
         for slot, (peer, outgoing) in enumerate(zip(sorted(peers), messages)):
-            incoming = self.receive_buffer(slot)
+            incoming = self.receive_buffer(slot)[: outgoing.numel()]  # a fragment fills the front of the buffer
             for send, recv in zip(self._buckets(outgoing), self._buckets(incoming)):
                 ops.append(dist.P2POp(dist.isend, send, peer, group=self.group))
                 ops.append(dist.P2POp(dist.irecv, recv, peer, group=self.group))
@@ -200,6 +201,29 @@ class GossipTransport:
         self.counters.bytes_received += volume
         self.counters.exchanges += 1
         return tensor
+
+    def post_all_reduce_mean(self, tensor: Tensor) -> Any:
+        """Start an in-place all-reduce mean of ``tensor`` (overlapped with compute); finish it with
+        :meth:`wait_all_reduce_mean`. Counted as a ring all-reduce."""
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), self.world_size)
+        self.counters.bytes_sent += volume
+        self.counters.bytes_received += volume
+        self.counters.exchanges += 1
+        return work
+
+    def wait_all_reduce_mean(self, work: Any, tensor: Tensor) -> Tensor:
+        """Wait (at most ``timeout`` seconds, host-side) for a posted all-reduce mean; ``tensor`` then holds it."""
+        end = time.monotonic() + self.timeout
+        try:
+            completed = self._wait(work, end)
+        except RuntimeError as error:
+            raise GossipTimeoutError(f"rank {self.rank}: an all-reduce did not complete within "
+                                     f"gossip_timeout={self.timeout:g}s: {error}") from error
+        if completed is False:
+            raise GossipTimeoutError(f"rank {self.rank}: an all-reduce did not complete within "
+                                     f"gossip_timeout={self.timeout:g}s")
+        return tensor.div_(self.world_size)
 
     def all_reduce_mean_encoded(self, tensor: Tensor, message_codec: str) -> Tensor:
         """In-place mean over every worker, sent encoded by ``message_codec`` (a quantized all-reduce).

@@ -112,6 +112,7 @@ class Simulator:
                 self.step = step
                 self._inner_step(step, steps_in_round)
                 steps_in_round += 1
+                self._after_inner_step(steps_in_round)
                 if steps_in_round == self.inner_steps:
                     self._end_round()
                     steps_in_round = 0
@@ -141,6 +142,12 @@ class Simulator:
         if self.clocks.enabled:
             row["sim_time"] = self.clocks.times()[0]
         self._metrics(step - 1, row)
+
+    def _after_inner_step(self, step_in_round: int) -> None:
+        """Streamed rounds: fragments that leave or land after this step (as the strategy's hook)."""
+        after_step = getattr(self.rounds, "after_step", None)
+        if after_step is not None and after_step(self.replicas.gather(), step_in_round, self._live):
+            self.replicas.scatter()
 
     def _end_round(self) -> None:
         flat = self.replicas.gather()

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from gasloc_lightning.algorithm.round import DiLoCoRound, EncodedMean, GossipRound, check_codec, codec_bytes_per_element
+from gasloc_lightning.algorithm.fragments import FragmentPoints
+from gasloc_lightning.algorithm.streaming import StreamingDiLoCoOuter
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.network import NetworkModel, SimulatedClock
 from gasloc_lightning.topology import Topology
@@ -70,6 +72,19 @@ class WorkerClocks:
         for i in live:
             self.clocks[i].all_reduce(max_clock=latest, nbytes=nbytes)
 
+    def all_reduce_posted(self, live: Sequence[int], element_size: float | None, fraction: float) -> float:
+        """An all-reduce of ``fraction`` of the model posted now by the live workers: the time it ends
+        (``element_size``: bytes per element when quantized; None: the network's)."""
+        if not self.enabled:
+            return 0.0
+        latest = max(self.clocks[i].time for i in live)
+        return latest + self.network.all_reduce_time(self.network.message_bytes(element_size=element_size) * fraction)
+
+    def wait_until(self, live: Sequence[int], end: float) -> None:
+        if self.enabled:
+            for i in live:
+                self.clocks[i].follow(end)
+
     def join(self, worker: int, source: int) -> None:
         """A joining worker starts at its source peer's time."""
         if self.enabled:
@@ -104,6 +119,9 @@ class GossipRounds:
         message_codec: how messages go on the wire (see :mod:`gasloc_lightning.algorithm.codecs`).
         error_feedback: per-edge public copies (see :class:`~gasloc_lightning.algorithm.round.EdgeCopies`).
         clocks: the workers' simulated clocks.
+        points: fragment gossip: when each fragment leaves and lands; None: whole-model rounds.
+        bounds: the fragments' element ranges (with ``points``).
+        fragment_update_alpha: alpha, the live share when a fragment lands.
     """
 
     def __init__(
@@ -119,6 +137,9 @@ class GossipRounds:
         message_codec: str = "float32",
         error_feedback: bool = False,
         clocks: WorkerClocks,
+        points: FragmentPoints | None = None,
+        bounds: Sequence[tuple[int, int]] | None = None,
+        fragment_update_alpha: float = 0.0,
     ) -> None:
         check_codec(message_codec)
         if topology.uses_all_reduce and (overlap or message_codec != "float32"):
@@ -135,10 +156,74 @@ class GossipRounds:
         self.overlap = self.round.overlap
         self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
         self.rejected = 0  # messages refused as non-finite
+        self.points, self.alpha = points, float(fragment_update_alpha)
+        self.slices = [slice(lo, hi) for lo, hi in bounds] if points is not None else []
+        self.fragments = [GossipRound(initial[:, part].clone(), part.stop - part.start, outer_lr=outer_lr,
+                                      outer_momentum=outer_momentum, outer_form=outer_form,
+                                      message_codec=message_codec, error_feedback=error_feedback)
+                          for part in self.slices]
+        self._sent = [torch.empty_like(initial[:, part]) for part in self.slices]
+        self._fragment_in_flight: dict[int, tuple] = {}
+        self._rounds_done = 0  # the current round's index (what the strategy's peers() use)
+
+    @torch.no_grad()
+    def after_step(self, flat: Tensor, step_in_round: int, live: Sequence[int]) -> bool:
+        """Fragment gossip: the fragment leaving or landing after this step; returns whether ``flat`` changed."""
+        if self.points is None:
+            return False
+        leaving, landing = self.points.leaving(step_in_round), self.points.landing(step_in_round)
+        if leaving is not None:
+            self._post_fragment(flat, leaving, live)
+        if landing is not None:
+            self._land_fragment(flat, landing)
+        return landing is not None
+
+    def _post_fragment(self, flat: Tensor, fragment: int, live: Sequence[int]) -> None:
+        part, round_ = self.slices[fragment], self.fragments[fragment]
+        u = self._sent[fragment].copy_(flat[:, part])
+        index = torch.as_tensor(list(live))
+        if not bool(torch.isfinite(u.index_select(0, index)).all()):
+            raise FloatingPointError(f"fragment {fragment} of a live worker is not finite")
+        round_.begin(u)
+        share = u.shape[1] / flat.shape[1]
+        if self.topology.uses_all_reduce:
+            mean = u.index_select(0, index).sum(dim=0).div_(len(live))
+            u[index] = mean
+            round_.mixed[index] = mean
+            self.bytes_sent[index] += ring_all_reduce_bytes(u.shape[1] * 4, len(live))
+            end = self.clocks.all_reduce_posted(live, None, share)
+            self._fragment_in_flight[fragment] = ("all_reduce", list(live), end)
+            return
+        peers = round_peers(self.topology, live, self._rounds_done)
+        self._post(peers, live, round_, share)
+        wires = {}
+        for i in live:
+            targets = sorted(peers[i])
+            wires.update({(i, j): wire for j, wire in zip(targets, round_.messages(targets, row=i))})
+        self._fragment_in_flight[fragment] = ("gossip", list(live), (wires, peers))
+
+    def _land_fragment(self, flat: Tensor, fragment: int) -> None:
+        part, round_, u = self.slices[fragment], self.fragments[fragment], self._sent[fragment]
+        kind, live, extra = self._fragment_in_flight.pop(fragment)
+        if kind == "all_reduce":
+            self.clocks.wait_until(live, extra)
+        else:
+            wires, peers = extra
+            for i in live:
+                self._receive(u, wires, peers, i, round_)
+                if round_.by_correction:
+                    round_.apply_correction(u, row=i)
+            self.clocks.complete()
+        round_.finish(u)
+        index = torch.as_tensor(live)
+        flat[index, part] = torch.lerp(u.index_select(0, index), flat[index, part], self.alpha)
 
     @torch.no_grad()
     def communicate(self, flat: Tensor, round_index: int, live: Sequence[int]) -> None:
         """End round t: ``flat`` holds thetaH_i (rows of live workers) and receives theta_i'."""
+        self._rounds_done = round_index + 1
+        if self.points is not None:
+            return  # every fragment landed during the round
         round_ = self.round
         if self.overlap:
             self.clocks.complete()  # the previous round's exchange ends (in simulated time) now
@@ -168,13 +253,14 @@ class GossipRounds:
     _in_flight: tuple[dict[tuple[int, int], Tensor], dict[int, dict[int, float]], list[int]] | None = None
 
     def _receive(self, flat: Tensor | None, wires: dict[tuple[int, int], Tensor],
-                 peers: dict[int, dict[int, float]], i: int) -> None:
+                 peers: dict[int, dict[int, float]], i: int, round_: GossipRound | None = None) -> None:
+        round_ = round_ or self.round
         senders = sorted(peers[i])
         received = [(peers[i][j], wires[(j, i)]) for j in senders]
-        if self.round.by_correction:
-            self.rejected += len(self.round.correct(received, row=i, peers=senders))
+        if round_.by_correction:
+            self.rejected += len(round_.correct(received, row=i, peers=senders))
         else:
-            self.rejected += len(self.round.mix(flat, received, row=i))
+            self.rejected += len(round_.mix(flat, received, row=i))
 
     def _complete_in_flight(self) -> None:
         if self._in_flight is None:
@@ -184,12 +270,14 @@ class GossipRounds:
         for i in live:
             self._receive(None, wire, peers, i)  # by correction: the point is not read
 
-    def _post(self, peers: dict[int, dict[int, float]], live: Sequence[int]) -> None:
-        round_ = self.round
+    def _post(self, peers: dict[int, dict[int, float]], live: Sequence[int], round_: GossipRound | None = None,
+              share: float = 1.0) -> None:
+        round_ = round_ or self.round
         for i in live:
             self.bytes_sent[i] += round_.wire_bytes * len(peers[i])
         network = self.clocks.network
-        wire_bytes = network.message_bytes(element_size=round_.bytes_per_element) if network is not None else 0
+        element_size = round_.bytes_per_element * share
+        wire_bytes = network.message_bytes(element_size=element_size) if network is not None else 0
         self.clocks.post(live, peers, _pairs(peers), wire_bytes)
 
     def _all_reduce(self, flat: Tensor, live: Sequence[int]) -> None:
@@ -202,7 +290,10 @@ class GossipRounds:
 
     @torch.no_grad()
     def flush(self, flat: Tensor) -> None:
-        """End of training: fold in the last delayed correction (overlap), as the strategy does."""
+        """End of training: fold in the last delayed correction (overlap), as the strategy does, or land a
+        fragment still in flight."""
+        for fragment in sorted(self._fragment_in_flight):
+            self._land_fragment(flat, fragment)
         if not self.overlap:
             return
         self.clocks.complete()
@@ -218,45 +309,88 @@ class GossipRounds:
 
 class DiLoCoRounds:
     """DiLoCo's round on the stacked points: the mean pseudo-gradient of the live workers steps one
-    shared round start (:class:`~gasloc_lightning.algorithm.round.DiLoCoRound`).
+    shared round start (:class:`~gasloc_lightning.algorithm.round.DiLoCoRound`); streamed by fragments
+    (:class:`~gasloc_lightning.algorithm.streaming.StreamingDiLoCoOuter`) when ``points`` is given.
 
     Args:
         initial: (n, P) float32 starting points (every row equal).
         outer_lr, outer_momentum: eta and gamma.
         message_codec: ``"float32"`` (exact mean) or a lossy codec: the mean a quantized all-reduce computes.
         clocks: the workers' simulated clocks.
+        points: when each fragment leaves and lands (Streaming DiLoCo); None: one all-reduce per round.
+        bounds: the fragments' element ranges (with ``points``).
+        fragment_update_alpha: alpha, the live share when a fragment lands.
     """
 
     def __init__(self, *, initial: Tensor, outer_lr: float, outer_momentum: float, clocks: WorkerClocks,
-                 message_codec: str = "float32") -> None:
+                 message_codec: str = "float32", points: FragmentPoints | None = None,
+                 bounds: Sequence[tuple[int, int]] | None = None, fragment_update_alpha: float = 0.0) -> None:
         self.round = DiLoCoRound(initial[0], outer_lr=outer_lr, outer_momentum=outer_momentum)
         self.message_codec = check_codec(message_codec)
-        self._means: dict[int, EncodedMean] = {}  # by live count
+        self._means: dict[int, EncodedMean] = {}  # by (live count, size)
         self.clocks = clocks
+        self.points = points
+        self.streaming = None if points is None else StreamingDiLoCoOuter(
+            initial[0], bounds=bounds, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            fragment_update_alpha=fragment_update_alpha)
+        self._in_flight: dict[int, tuple[Tensor, list[int], float]] = {}
         self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
 
     @property
     def round_start(self) -> Tensor:
         return self.round.round_start
 
+    def _mean(self, delta: Tensor, index: Tensor) -> Tensor:
+        """The live workers' mean of ``delta`` (m, size), as the strategy's (quantized) all-reduce computes it."""
+        m, size = delta.shape
+        if self.message_codec == "float32" or m == 1:
+            self.bytes_sent[index] += ring_all_reduce_bytes(size * 4, m)
+            return delta.sum(dim=0).div_(m)
+        encoded = self._means.setdefault((m, size), EncodedMean(self.message_codec, size, m))
+        self.bytes_sent[index] += 2 * (m - 1) * encoded.chunk_wire
+        return encoded.mean(delta)
+
+    @torch.no_grad()
+    def after_step(self, flat: Tensor, step_in_round: int, live: Sequence[int]) -> bool:
+        """Streamed rounds: the fragment leaving or landing after this step; returns whether ``flat`` changed."""
+        if self.points is None:
+            return False
+        leaving, landing = self.points.leaving(step_in_round), self.points.landing(step_in_round)
+        if leaving is not None:
+            index = torch.as_tensor(list(live))
+            delta = self.streaming.prepare(leaving, flat.index_select(0, index))  # (m, size)
+            quantized = self.message_codec != "float32"
+            size = codec_bytes_per_element(self.message_codec, delta.shape[1]) if quantized else None
+            end = self.clocks.all_reduce_posted(live, size, delta.shape[1] / flat.shape[1])
+            self._in_flight[leaving] = (self._mean(delta, index), list(live), end)
+        if landing is not None:
+            self._land(flat, landing)
+        return landing is not None
+
+    def _land(self, flat: Tensor, fragment: int) -> None:
+        mean, live, end = self._in_flight.pop(fragment)
+        self.clocks.wait_until(live, end)
+        index = torch.as_tensor(live)
+        rows = flat.index_select(0, index)
+        self.streaming.perform(fragment, mean, rows)
+        flat[index] = rows
+
     @torch.no_grad()
     def communicate(self, flat: Tensor, round_index: int, live: Sequence[int]) -> None:
-        index, m = torch.as_tensor(list(live)), len(live)
+        if self.streaming is not None:
+            return  # every fragment landed during the round
+        index = torch.as_tensor(list(live))
         delta = self.round.pseudo_gradient(flat.index_select(0, index))  # (m, P) pseudo-gradients
-        if self.message_codec == "float32" or m == 1:
-            mean = delta.sum(dim=0).div_(m)
-            self.bytes_sent[index] += ring_all_reduce_bytes(flat.shape[1] * 4, m)
-        else:
-            encoded = self._means.setdefault(m, EncodedMean(self.message_codec, flat.shape[1], m))
-            mean = encoded.mean(delta)
-            self.bytes_sent[index] += 2 * (m - 1) * encoded.chunk_wire
+        mean = self._mean(delta, index)
         flat[index] = self.round.step(mean)
         quantized = self.message_codec != "float32"
         self.clocks.all_reduce(live, element_size=codec_bytes_per_element(self.message_codec, flat.shape[1])
                                if quantized else None)
 
     def flush(self, flat: Tensor) -> None:
-        """Nothing is in flight with an all-reduce."""
+        """End of training: a fragment that left lands now."""
+        for fragment in sorted(self._in_flight):
+            self._land(flat, fragment)
 
     def join(self, worker: int, source: int) -> None:
         """The round start is shared: a joining worker needs only the live point (copied by the caller)."""

@@ -5,6 +5,15 @@ outer ``torch.optim.SGD(lr=eta, momentum=gamma, nesterov=True)`` steps the share
 point theta with the mean Delta. It is written independently of GASLoC's gossip form (real
 torch optimizer, pseudo-gradient all-reduce), so the two can check each other: GASLoC on the
 complete graph must follow the same trajectory.
+
+**Streaming DiLoCo** (Douillard et al., arXiv 2501.18512; torchft 0.2.0's ``DiLoCo`` with several
+``model_fragments``): with ``fragments=F`` the parameters are split into F contiguous fragments, each
+with its own outer optimizer, and fragment f syncs once per round, after step floor((f+1) H / F)
+(:class:`~gasloc_lightning.algorithm.fragments.FragmentPoints`). Its pseudo-gradient leaves
+``fragment_sync_delay`` steps before its outer step lands, the all-reduce running meanwhile under
+compute; the live fragment then becomes ``lerp(global, live, fragment_update_alpha)``
+(:class:`~gasloc_lightning.algorithm.streaming.StreamingDiLoCoOuter`). ``overlap=True`` takes the
+longest delay the schedule allows.
 """
 
 from __future__ import annotations
@@ -12,10 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
+from gasloc_lightning.algorithm.fragments import FragmentPoints, resolve_points
 from gasloc_lightning.algorithm.round import DiLoCoRound, check_codec, codec_bytes_per_element
+from gasloc_lightning.algorithm.streaming import StreamingDiLoCoOuter, fragment_bounds
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 
 
@@ -31,6 +44,11 @@ class DiLoCoStrategy(LocalStepsStrategy):
         message_codec: how pseudo-gradients go on the wire: ``"float32"`` (an exact all-reduce) or a lossy codec
             (``"bfloat16"``, ``"int8"``, ``"fp8"``, ``"int4"``, ``"int2"``): a quantized all-reduce, as torchft's
             (:class:`~gasloc_lightning.algorithm.round.EncodedMean`); every worker gets the same mean.
+        fragments: F, fragments synced in turn (Streaming DiLoCo); 1: plain DiLoCo.
+        fragment_sync_delay: tau, inner steps between a fragment's pseudo-gradient leaving and its outer step
+            landing (the all-reduce overlaps them); at most the gap between two fragments minus one.
+        fragment_update_alpha: alpha in [0, 1], the live share when a fragment lands (0: take the global value).
+        overlap: take the longest ``fragment_sync_delay`` the schedule allows (leave ``fragment_sync_delay`` 0).
         **kwargs: the remaining arguments of :class:`~gasloc_lightning.strategies.gasloc.LocalStepsStrategy`.
     """
 
@@ -43,15 +61,31 @@ class DiLoCoStrategy(LocalStepsStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         message_codec: str = "float32",
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+        overlap: bool = False,
         **kwargs: Any,
     ) -> None:
         validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
         check_codec(message_codec)
+        for name, value in (("fragments", fragments), ("fragment_sync_delay", fragment_sync_delay)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "fragments"):
+                raise ValueError(f"{name} must be an int >= {int(name == 'fragments')}, got {value!r}")
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha (alpha) must lie in [0, 1], got {fragment_update_alpha!r}")
+        if overlap and fragment_sync_delay:
+            raise ValueError("overlap=True chooses fragment_sync_delay itself: leave fragment_sync_delay at 0")
         super().__init__(inner_steps=inner_steps, **kwargs)
         self._outer_lr = float(outer_lr)
         self._outer_momentum = float(outer_momentum)
         self._message_codec = message_codec
+        self._fragments, self._fragment_sync_delay = fragments, fragment_sync_delay
+        self._fragment_update_alpha, self._overlap = float(fragment_update_alpha), bool(overlap)
         self._round: DiLoCoRound | None = None
+        self._streaming: StreamingDiLoCoOuter | None = None
+        self._points: FragmentPoints | None = None
+        self._in_flight: dict[int, tuple[Tensor, Any, float | None]] = {}  # fragment: (Delta, work, clock end)
 
     @property
     def outer_lr(self) -> float:
@@ -65,15 +99,97 @@ class DiLoCoStrategy(LocalStepsStrategy):
     def message_codec(self) -> str:
         return self._message_codec
 
+    @property
+    def streamed(self) -> bool:
+        """Whether rounds are streamed by fragments (Streaming DiLoCo) rather than one all-reduce at the end."""
+        return self._fragments > 1 or self._fragment_sync_delay > 0 or self._overlap or self._fragment_update_alpha > 0
+
+    @property
+    def fragment_points(self) -> FragmentPoints | None:
+        """When each fragment leaves and lands (resolved once the round length is known)."""
+        return self._points
+
+    @override
+    def check_configuration(self, world_size: int) -> None:
+        super().check_configuration(world_size)
+        if not self.streamed:
+            return
+        if len({self._schedule.inner_steps(rank) for rank in range(world_size)}) > 1:
+            raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap need one inner_steps "
+                             "for every worker (streamed rounds stay aligned)")
+        steps = self._schedule.round_length
+        self._points = resolve_points(steps, self._fragments, self._fragment_sync_delay, self._overlap)
+        if self._overlap and self._points.fragment_sync_delay == 0:
+            rank_zero_warn(f"overlap=True has no room with inner_steps={steps} and fragments={self._fragments}: "
+                           "fragments land one step apart, so each all-reduce waits at once. Use inner_steps >= "
+                           "2 x fragments to overlap communication with compute.")
     @override
     def _init_outer_state(self) -> None:
         params, _ = self.layout.split(self.layout.read())
         self._round = DiLoCoRound(params, outer_lr=self._outer_lr, outer_momentum=self._outer_momentum)
+        self._in_flight = {}
+        if self.streamed:
+            if self._points is None:
+                self.check_configuration(self.world_size)
+            bounds = fragment_bounds([p.numel() for p in self.layout.parameters], self._fragments)
+            self._streaming = StreamingDiLoCoOuter(params, bounds=bounds, outer_lr=self._outer_lr,
+                                                   outer_momentum=self._outer_momentum,
+                                                   fragment_update_alpha=self._fragment_update_alpha)
+
+    @override
+    @torch.no_grad()
+    def _after_inner_step(self, step_in_round: int) -> None:
+        if self._streaming is None:
+            return
+        leaving = self._points.leaving(step_in_round)
+        if leaving is not None:
+            self._post_fragment(leaving)
+        landing = self._points.landing(step_in_round)
+        if landing is not None:
+            self._land_fragment(landing)
+
+    def _post_fragment(self, fragment: int) -> None:
+        """Fragment f's pseudo-gradient leaves: an all-reduce (float32: overlapped with the next steps)."""
+        params, _ = self.layout.split(self.layout.read())
+        delta = self._streaming.prepare(fragment, params)
+        share = delta.numel() / params.numel()
+        end, work = None, None
+        if self._round_clock is not None:
+            size = None if self._message_codec == "float32" else codec_bytes_per_element(self._message_codec,
+                                                                                         delta.numel())
+            end = self._round_clock.on_all_reduce_posted(element_size=size, fraction=share)
+        if self.world_size > 1:
+            if self._message_codec == "float32":
+                work = self._transport.post_all_reduce_mean(delta)
+            else:
+                self._transport.all_reduce_mean_encoded(delta, self._message_codec)
+        self._in_flight[fragment] = (delta, work, end)
+
+    def _land_fragment(self, fragment: int) -> None:
+        """Fragment f's outer step lands: wait for its mean, step, mix into the live fragment."""
+        delta, work, end = self._in_flight.pop(fragment)
+        if work is not None:
+            self._transport.wait_all_reduce_mean(work, delta)
+        if end is not None:
+            self._round_clock.wait_until(end)
+        live = self.layout.read()
+        params, _ = self.layout.split(live)
+        if not (torch.isfinite(delta).all() and torch.isfinite(params).all()):
+            raise FloatingPointError(f"{self._where()}: fragment {fragment} is not finite (streamed rounds have no "
+                                     "skip_round recovery yet; lower the learning rate)")
+        self._streaming.perform(fragment, delta, params)
+        self.layout.scatter(live)
 
     @override
     @torch.no_grad()
     def _communicate(self) -> None:
         assert self._round is not None and self._transport is not None
+        if self._streaming is not None:  # the fragments synced during the round; buffers are averaged now
+            _, buffers = self.layout.split(self.layout.read())
+            if self.world_size > 1 and buffers.numel():
+                self._transport.all_reduce_mean(buffers)
+            self.layout.scatter_buffers(buffers)
+            return
         message = self.layout.read()  # thetaH | buffers
         self._guard_local_point(message, self._round.round_start.detach())
         params, buffers = self.layout.split(message)
@@ -90,23 +206,47 @@ class DiLoCoStrategy(LocalStepsStrategy):
         self.layout.scatter(message)
 
     @override
+    def _flush_exchanges(self) -> None:
+        """End of training: a fragment that left lands now (its all-reduce is waited for)."""
+        for fragment in sorted(self._in_flight):
+            self._land_fragment(fragment)
+
+    @override
     def _on_replicas_averaged(self) -> None:
         if self._round is not None:
             params, _ = self.layout.split(self.layout.read())
             self._round.reset(params)
+        if self._streaming is not None:
+            params, _ = self.layout.split(self.layout.read())
+            self._streaming.reset(params)
 
     @override
     def strategy_state_dict(self) -> dict[str, Any]:
         state = super().strategy_state_dict()
         if self._round is not None:
             state["outer"] = self._round.state_dict()
+        if self._streaming is not None:
+            self._flush_waits()
+            state["streaming"] = {"outer": self._streaming.state_dict(),
+                                  "in_flight": {f: (d.clone(), end) for f, (d, _, end) in self._in_flight.items()}}
         return state
+
+    def _flush_waits(self) -> None:
+        """Finish every all-reduce in flight (its mean stays pending until its fragment lands)."""
+        for fragment, (delta, work, end) in list(self._in_flight.items()):
+            if work is not None:
+                self._transport.wait_all_reduce_mean(work, delta)
+                self._in_flight[fragment] = (delta, None, end)
 
     @override
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_strategy_state_dict(state)
         if self._round is not None and state.get("outer") is not None:
             self._round.load_state_dict(state["outer"])
+        if self._streaming is not None and state.get("streaming") is not None:
+            self._streaming.load_state_dict(state["streaming"]["outer"])
+            self._in_flight = {int(f): (d.to(self.root_device), None, end)
+                               for f, (d, end) in state["streaming"]["in_flight"].items()}
 
     @classmethod
     @override

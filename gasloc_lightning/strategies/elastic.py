@@ -148,12 +148,14 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         _check_int("min_workers", min_workers, 1)
         _check_int("max_workers", max_workers, min_workers)
         _check_int("worker_id", worker_id, 0)
-        for name in ("overlap", "network"):
+        for name in ("overlap", "network", "error_feedback", "fragment_sync_delay", "fragment_update_alpha"):
             if kwargs.get(name):
                 raise ValueError(f"{name} is not supported by {type(self).__name__}; leave it unset")
         for name in ("message_codec", "message_dtype"):
             if kwargs.get(name) not in (None, "float32"):
                 raise ValueError(f"{type(self).__name__} sends float32 messages: {name} must be 'float32'")
+        if kwargs.get("fragments", 1) != 1:
+            raise ValueError(f"{type(self).__name__} exchanges whole models: fragments must be 1")
         if kwargs.get("ranks_per_worker", 1) != 1:
             raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
         if not isinstance(leave_grace_s, (int, float)) or isinstance(leave_grace_s, bool) or leave_grace_s < 0:

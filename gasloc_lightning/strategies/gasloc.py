@@ -16,7 +16,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.outer import OuterState, validate_outer_hyperparameters
-from gasloc_lightning.algorithm.round import GossipRound, check_codec, wire_format
+from gasloc_lightning.algorithm.fragments import FragmentPoints
+from gasloc_lightning.algorithm.round import GossipRound, all_finite, check_codec, wire_format
+from gasloc_lightning.algorithm.streaming import fragment_bounds
 from gasloc_lightning.network import round_pairs
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 from gasloc_lightning.algorithm.stability import SWITCHING_SAFE_MOMENTUM
@@ -60,6 +62,13 @@ class GASLoCStrategy(LocalStepsStrategy):
         error_feedback: with a lossy codec, send each peer the encoded difference between this worker's point
             and the public copy that peer holds of it (CHOCO-gossip per edge; two model copies per neighbour).
             Needs a topology whose edges repeat (``ring``, ``torus``, ``exponential``, a fixed custom graph).
+        fragments: F, fragments of the model gossiped in turn (fragment gossip, as Streaming DiLoCo): fragment f
+            runs its own round (outer state, message, mix) after step floor((f+1) H / F), so the peak traffic is
+            1/F of a whole-model round. 1: the whole model at the round's end.
+        fragment_sync_delay: tau, steps between a fragment's message leaving and its mix landing; the exchange
+            runs under those steps of compute.
+        fragment_update_alpha: alpha in [0, 1]: when a fragment lands the live fragment becomes
+            ``lerp(theta', live, alpha)`` (0: the round's result; the tau steps in between are dropped).
         **kwargs: the arguments of :class:`LocalStepsStrategy` (timeouts, ``on_nonfinite``, ``cpu_threads``,
             ``start_method`` and Lightning's ``DDPStrategy`` arguments).
     """
@@ -80,6 +89,9 @@ class GASLoCStrategy(LocalStepsStrategy):
         message_codec: str | None = None,
         message_dtype: Literal["float32", "bfloat16"] | None = None,
         error_feedback: bool = False,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if isinstance(topology, str) and topology.lower() not in TOPOLOGIES:
@@ -92,7 +104,13 @@ class GASLoCStrategy(LocalStepsStrategy):
             raise ValueError("error_feedback=True needs a lossy message_codec (int8, fp8, int4, int2 or bfloat16)")
         if not 0.0 < delayed_weight <= 1.0:
             raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
+        if not 0.0 <= fragment_update_alpha <= 1.0:
+            raise ValueError(f"fragment_update_alpha (alpha) must lie in [0, 1], got {fragment_update_alpha!r}")
+        streamed = fragments != 1 or fragment_sync_delay != 0 or fragment_update_alpha != 0.0
+        if streamed and overlap:
+            raise ValueError("overlap=True delays whole-model rounds; with fragments use fragment_sync_delay instead")
         super().__init__(inner_steps=inner_steps, **kwargs)
+        self._fragments = FragmentGossip(fragments, fragment_sync_delay, fragment_update_alpha) if streamed else None
         self._overlap = bool(overlap)
         self._delayed_weight = float(delayed_weight)
         self._message_codec = message_codec
@@ -165,6 +183,12 @@ class GASLoCStrategy(LocalStepsStrategy):
                 f"error_feedback=True needs edges that repeat, and topology {self._topology.name!r} draws random "
                 "partners: use ring, torus or exponential, or turn error_feedback off (see docs/algorithm.md)"
             )
+        if self._fragments is not None:
+            if len({self._schedule.inner_steps(rank) for rank in range(world_size)}) > 1:
+                raise ValueError("fragments need one inner_steps for every worker (streamed rounds stay aligned)")
+            if self.ranks_per_worker > 1:
+                raise ValueError("fragments with ranks_per_worker > 1 are not supported yet: use ranks_per_worker=1")
+            self._fragments.configure(self._schedule.round_length)
         if self._topology.uses_all_reduce and (self._overlap or self._message_codec != "float32"):
             raise ValueError(
                 "overlap=True and message_codec other than 'float32' apply to point-to-point gossip; "
@@ -215,6 +239,10 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.check_configuration(self.world_size)
         if self.num_workers <= 1:
             rank_zero_info("GASLoC with a single worker: local training with outer steps, no communication.")
+        if self._fragments is not None:
+            self._round = None
+            self._build_fragments()
+            return
         self._round = GossipRound(
             self.layout.read(), self.layout.num_parameter_elements, outer_lr=self._outer_lr,
             outer_momentum=self.outer_momentum, outer_form=self._outer_form, message_codec=self._message_codec,
@@ -222,9 +250,89 @@ class GASLoCStrategy(LocalStepsStrategy):
         )
         self._pending = self._completed = None
 
+    def _build_fragments(self) -> None:
+        if self._fragments.points is None:
+            self.check_configuration(self.world_size)
+        self._fragments.build(
+            self.layout.read(), [p.numel() for p in self.layout.parameters], self.layout.num_parameter_elements,
+            outer_lr=self._outer_lr, outer_momentum=self.outer_momentum, outer_form=self._outer_form,
+            message_codec=self._message_codec, error_feedback=self._error_feedback,
+        )
+
+    # ------------------------------------------------------------------ fragment gossip (streamed rounds)
+    @override
+    @torch.no_grad()
+    def _after_inner_step(self, step_in_round: int) -> None:
+        fragments = self._fragments
+        if fragments is None:
+            return
+        leaving = fragments.points.leaving(step_in_round)
+        if leaving is not None:
+            self._post_fragment(leaving)
+        landing = fragments.points.landing(step_in_round)
+        if landing is not None:
+            self._complete_fragment(landing)
+            live = self.layout.read()
+            fragments.land(landing, live)
+            self.layout.scatter(live)
+
+    def _post_fragment(self, fragment: int) -> None:
+        """Fragment f leaves: its u (from the live fragment) goes to this round's peers, or into an all-reduce."""
+        fragments = self._fragments
+        u = fragments.sent[fragment].copy_(self.layout.read()[fragments.slices[fragment]])
+        if not all_finite(u):
+            raise FloatingPointError(f"{self._where()}: fragment {fragment} is not finite (streamed rounds have no "
+                                     "skip_round recovery yet; lower the learning rate)")
+        round_ = fragments.rounds[fragment]
+        share = u.numel() / self.layout.numel
+        if self._topology.uses_all_reduce:
+            round_.begin(u, send=False)
+            end = None if self._round_clock is None else self._round_clock.on_all_reduce_posted(fraction=share)
+            work = self._transport.post_all_reduce_mean(u) if self.world_size > 1 else None
+            fragments.in_flight[fragment] = (work, end)
+            return
+        exchanging = self.world_size > 1
+        round_.begin(u, send=exchanging)
+        clock = self._round_clock.on_post() if self._round_clock is not None else None
+        peers = self.peers()
+        pending = None
+        if exchanging:
+            pending = self._transport.post(round_.messages(sorted(peers)), peers, self.round_index, clock)
+        fragments.in_flight[fragment] = (pending, share)
+
+    def _complete_fragment(self, fragment: int) -> None:
+        """Finish fragment f's exchange and its round (into ``sent``); the live fragment takes it when it lands."""
+        fragments = self._fragments
+        if fragment not in fragments.in_flight:
+            return  # completed early (before an evaluation or a checkpoint)
+        round_, u = fragments.rounds[fragment], fragments.sent[fragment]
+        handle, extra = fragments.in_flight.pop(fragment)
+        if self._topology.uses_all_reduce:
+            if handle is not None:
+                self._transport.wait_all_reduce_mean(handle, u)
+            if extra is not None:
+                self._round_clock.wait_until(extra)
+            round_.mixed.copy_(u[: round_.num_parameters])
+        else:
+            received = [] if handle is None else self._transport.complete(handle)
+            if round_.by_correction:
+                rejected = [] if handle is None else round_.correct(received, peers=sorted(handle.peers))
+                round_.apply_correction(u)
+            else:
+                rejected = round_.mix(u, received)
+            if handle is not None:
+                self._reject(rejected, handle)
+                self._complete_clock(handle, round_, fraction=extra)
+        round_.finish(u)
+
     @override
     def _drain_exchanges(self) -> None:
-        """Finish the overlapped exchange in flight (if any): its correction is folded in next round."""
+        """Finish the exchanges in flight (if any): an overlapped one's correction is folded in next round, a
+        fragment's result lands at its step."""
+        if self._fragments is not None:
+            for fragment in sorted(self._fragments.in_flight):
+                self._complete_fragment(fragment)
+            return
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
@@ -241,6 +349,13 @@ class GASLoCStrategy(LocalStepsStrategy):
     @override
     @torch.no_grad()
     def _flush_exchanges(self) -> None:
+        if self._fragments is not None:  # end of training: a fragment that left lands now
+            for fragment in sorted(self._fragments.in_flight):
+                self._complete_fragment(fragment)
+                live = self.layout.read()
+                self._fragments.land(fragment, live)
+                self.layout.scatter(live)
+            return
         if self._round is None or not self._round.by_correction:
             return
         self._drain_exchanges()
@@ -265,6 +380,8 @@ class GASLoCStrategy(LocalStepsStrategy):
     @override
     @torch.no_grad()
     def _communicate(self) -> None:
+        if self._fragments is not None:
+            return  # every fragment landed during the round, the last one after its final step
         assert self._round is not None and self._transport is not None
         layout, round_ = self.layout, self._round
         self._drain_exchanges()  # an overlapped exchange reads the wire and yields the correction folded in now
@@ -315,24 +432,35 @@ class GASLoCStrategy(LocalStepsStrategy):
             self._reject(rejected, pending)
             self._complete_clock(pending)
 
-    def _complete_clock(self, pending: PendingExchange | None) -> None:
-        """Advance the simulated clock to the end of a finished exchange (peers' clocks came with it)."""
+    def _complete_clock(self, pending: PendingExchange | None, round_: GossipRound | None = None,
+                        fraction: float = 1.0) -> None:
+        """Advance the simulated clock to the end of a finished exchange (peers' clocks came with it) of
+        ``fraction`` of the model."""
         if self._round_clock is None or pending is None:
             return
         k = self.ranks_per_worker
         peer_clocks = {peer // k: value for peer, value in pending.peer_clock_values().items()}
         pairs = round_pairs(self._topology, self.num_workers, pending.round_index)
-        self._round_clock.on_exchange_completed(peer_clocks, pairs, self._round.bytes_per_element)
+        element_size = (round_ or self._round).bytes_per_element * fraction
+        self._round_clock.on_exchange_completed(peer_clocks, pairs, element_size)
 
     @override
     def _on_replicas_averaged(self) -> None:
+        live = self.layout.read()
         if self._round is not None:
-            params, _ = self.layout.split(self.layout.read())
+            params, _ = self.layout.split(live)
             self._round.outer.round_start.copy_(params)
+        if self._fragments is not None:
+            for part, round_ in zip(self._fragments.slices, self._fragments.rounds):
+                round_.outer.round_start.copy_(live[part][: round_.num_parameters])
 
     @override
     def strategy_state_dict(self) -> dict[str, Any]:
         state = super().strategy_state_dict()
+        if self._fragments is not None and self._fragments.rounds:
+            self._drain_exchanges()
+            state["fragments"] = {"rounds": [round_.state_dict() for round_ in self._fragments.rounds],
+                                  "sent": [u.clone() for u in self._fragments.sent]}
         if self._round is None:
             state["outer"] = None
             return state
@@ -353,6 +481,11 @@ class GASLoCStrategy(LocalStepsStrategy):
     @override
     def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
         super().load_strategy_state_dict(state)
+        if self._fragments is not None and self._fragments.rounds and state.get("fragments") is not None:
+            for round_, round_state in zip(self._fragments.rounds, state["fragments"]["rounds"], strict=True):
+                round_.load_state_dict(round_state)
+            for u, saved in zip(self._fragments.sent, state["fragments"]["sent"], strict=True):
+                u.copy_(saved)
         if self._round is None or state.get("outer") is None:
             return
         exchange = state.get("exchange") or {}
@@ -368,6 +501,45 @@ class GASLoCStrategy(LocalStepsStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         _register_variants(strategy_registry, cls, "gasloc", "GASLoC (local steps + gossip + outer momentum)")
+
+
+class FragmentGossip:
+    """The fragments of a streamed GASLoC round: their slices of the point, their own rounds and what is in flight.
+
+    Args:
+        fragments: F >= 1.
+        fragment_sync_delay: tau >= 0 (checked against the round length by :meth:`configure`).
+        fragment_update_alpha: alpha in [0, 1].
+    """
+
+    def __init__(self, fragments: int, fragment_sync_delay: int, fragment_update_alpha: float) -> None:
+        for name, value, minimum in (("fragments", fragments, 1), ("fragment_sync_delay", fragment_sync_delay, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        self.count, self.delay, self.alpha = fragments, fragment_sync_delay, float(fragment_update_alpha)
+        self.points: FragmentPoints | None = None
+        self.slices: list[slice] = []
+        self.rounds: list[GossipRound] = []
+        self.sent: list[Tensor] = []  # u (p) of each fragment while its exchange runs
+        self.in_flight: dict[int, Any] = {}  # fragment: pending exchange, or the all-reduce's work
+
+    def configure(self, inner_steps: int) -> None:
+        self.points = FragmentPoints(inner_steps, self.count, self.delay)
+
+    def build(self, point: Tensor, parameter_sizes: list[int], num_parameters: int, **round_arguments: Any) -> None:
+        """One round per fragment over contiguous parameter ranges; the exchanged buffers ride with the last."""
+        bounds = fragment_bounds(parameter_sizes, self.count)
+        self.slices = [slice(start, end if k < self.count - 1 else point.numel())
+                       for k, (start, end) in enumerate(bounds)]
+        self.rounds = [GossipRound(point[part], min(part.stop, num_parameters) - part.start, **round_arguments)
+                       for part in self.slices]
+        self.sent = [torch.empty(part.stop - part.start, device=point.device) for part in self.slices]
+        self.in_flight = {}
+
+    def land(self, fragment: int, live: Tensor) -> None:
+        """The fragment's round is done (its result in ``sent``): the live fragment takes it, alpha-mixed."""
+        piece = live[self.slices[fragment]]
+        piece.copy_(torch.lerp(self.sent[fragment], piece, self.alpha))
 
 
 def _resolve_codec(message_codec: str | None, message_dtype: str | None) -> str:

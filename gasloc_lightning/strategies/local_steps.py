@@ -462,9 +462,14 @@ class LocalStepsStrategy(DDPStrategy):
         else:  # this worker has done its H_i steps: compute (Lightning needs the closure run), do not apply
             output = closure()
         # Counted after the precision plugin, whether or not it skipped the update: rounds stay aligned.
-        if self._schedule.count_step():
+        round_over = self._schedule.count_step()
+        self._after_inner_step(self._schedule.steps_in_round)
+        if round_over:
             self.end_round()
         return output
+
+    def _after_inner_step(self, step_in_round: int) -> None:
+        """Hook after inner step ``step_in_round`` (1 to H) of a round, before the round ends (streaming)."""
 
     def end_round(self) -> None:
         """Run the communication round now (every rank must call this at the same step)."""

@@ -70,6 +70,19 @@ class RoundClock:
         nbytes = None if element_size is None else self._network.message_bytes(element_size=element_size)
         self.clock.all_reduce(max_clock=float(latest.item()), nbytes=nbytes)
 
+    def on_all_reduce_posted(self, group: dist.ProcessGroup | None = None, element_size: float | None = None,
+                             fraction: float = 1.0) -> float:
+        """An all-reduce of ``fraction`` of the model posted now, overlapped with compute: returns the simulated
+        time it ends (it starts at the largest clock, a collective); :meth:`wait_until` it later."""
+        latest = self.tensor()
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=group)
+        nbytes = self._network.message_bytes(element_size=element_size) * fraction
+        return max(self.clock.time, float(latest.item())) + self._network.all_reduce_time(nbytes)
+
+    def wait_until(self, end: float) -> None:
+        """Wait (in simulated time) for a posted all-reduce that ends at ``end``."""
+        self.clock.follow(end)
+
     def tensor(self) -> Tensor:
         return torch.tensor([self.clock.time], dtype=torch.float64, device=self._device)
 
