@@ -296,8 +296,14 @@ def gasloc(**kwargs):
         (lambda: DiLoCoStrategy(inner_steps=2, start_method="fork", gossip_timeout=60.0), 4, 8, 2),
         (gasloc(inner_steps=2, ranks_per_worker=2), 4, 8, 4),
         (gasloc(inner_steps=[2, 3]), 6, 12, 2),  # H_i per rank: rounds of max(H_i) = 3 steps
+        (gasloc(inner_steps=2, topology="ring", message_codec="int4", error_feedback=True), 4, 8, 2),
+        # H = 4, F = 2, tau = 1: after step 5 fragment 0's exchange is in flight when the checkpoint is taken
+        (gasloc(inner_steps=4, fragments=2, fragment_sync_delay=1, message_codec="int8"), 5, 12, 2),
+        (lambda: DiLoCoStrategy(inner_steps=4, fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.25,
+                                message_codec="int8", start_method="fork", gossip_timeout=60.0), 5, 12, 2),
     ],
-    ids=["overlap", "bf16_messages", "diloco", "ranks_per_worker_2", "per_rank_inner_steps"],
+    ids=["overlap", "bf16_messages", "diloco", "ranks_per_worker_2", "per_rank_inner_steps", "int4_error_feedback",
+         "fragments_in_flight", "streaming_diloco_in_flight"],
 )
 def test_resume_is_bitwise_identical_for_every_configuration(tmp_path, fresh_port, strategy, first_steps, total_steps,
                                                             devices):
