@@ -254,7 +254,9 @@ class CorruptMessages(Callback):
         post = transport.post
 
         def corrupt_post(message, peers, round_index, clock=None):
-            return post(torch.full_like(message, float("nan")), peers, round_index, clock)
+            if isinstance(message, torch.Tensor):
+                return post(torch.full_like(message, float("nan")), peers, round_index, clock)
+            return post([torch.full_like(m, float("nan")) for m in message], peers, round_index, clock)
 
         transport.post = corrupt_post
 

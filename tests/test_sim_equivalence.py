@@ -53,7 +53,11 @@ CASES = {
     "post_mix": Case(("strategy=gasloc", "topology=ring", "strategy.outer_form=post_mix")),
     "bf16": Case(("strategy=gasloc", "topology=one_peer", "strategy.message_codec=bfloat16")),
     "int8": Case(("strategy=gasloc", "topology=one_peer", "strategy.message_codec=int8")),
-    "int4": Case(("strategy=gasloc", "topology=one_peer", "strategy.message_codec=int4")),
+    # int4 on a ring with a network: a codec's fractional bytes per element (its block scales) in the clock.
+    "int4": Case(("strategy=gasloc", "topology=ring", "strategy.message_codec=int4", *TWO_CLUSTERS)),
+    # Error feedback (CHOCO's per-edge public copies): edges must repeat, so a fixed ring.
+    "error_feedback": Case(("strategy=gasloc", "topology=ring", "strategy.message_codec=int8",
+                            "strategy.error_feedback=true")),
     "overlap": Case(("strategy=gasloc", "topology=one_peer", "overlap=true")),
     "overlap_bf16": Case(("strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.message_codec=bfloat16")),
     "diloco": Case(("strategy=diloco",)),
@@ -68,9 +72,17 @@ CASES = {
     "one_peer_network": Case(("strategy=gasloc", "topology=one_peer", *TWO_CLUSTERS)),
     "bandwidth_aware": Case(("strategy=gasloc", "topology=bandwidth_aware", *TWO_CLUSTERS)),
     "overlap_network": Case(("strategy=gasloc", "topology=one_peer", "overlap=true", *TWO_CLUSTERS)),
-    "int8_network": Case(("strategy=gasloc", "topology=ring", "strategy.message_codec=int8", *TWO_CLUSTERS)),
     "complete_network": Case(("strategy=gasloc", "topology=complete", *TWO_CLUSTERS)),
     "diloco_network": Case(("strategy=diloco", *TWO_CLUSTERS)),
+    # DiLoCo's quantized all-reduce: its encoded chunks in the bytes, its element size in the clock.
+    "diloco_int8_network": Case(("strategy=diloco", "strategy.message_codec=int8", *TWO_CLUSTERS)),
+    # Streamed rounds (H = 2, F = 2: a fragment after each step), alpha keeping a share of the local steps, the
+    # clock charging each fragment its share of the bytes.
+    "fragments_network": Case(("strategy=gasloc", "topology=one_peer", "strategy.fragments=2",
+                               "strategy.fragment_update_alpha=0.25", *TWO_CLUSTERS)),
+    "streaming_diloco_int8_network": Case(("strategy=diloco", "strategy.fragments=2",
+                                           "strategy.fragment_update_alpha=0.25", "strategy.message_codec=int8",
+                                           *TWO_CLUSTERS)),
     # A straggler at half speed with H_i by speed (inner_steps=auto: H = [2, 2, 2, 1]).
     "straggler_auto_h": Case(("strategy=gasloc", "topology=one_peer", "network=straggler", "network.world_size=4",
                               "network.speeds=[1.0,1.0,1.0,0.5]", "inner_steps=auto",
@@ -162,23 +174,24 @@ def _train_both(case: Case, tmp_path: Path) -> Outcome:
 # sums the gradient norm in another order than torch's clip_grad_norm_, and vmap reduces the LayerNorm
 # weights' gradients over the batch in another order; the replicas are ~1e-8 apart after a step. A lossy
 # codec turns that into a whole rounding step wherever a message element lies that close to a rounding
-# boundary (measured with bfloat16: each element that differed after the first round had one partner's
-# message within ~1e-6 of a bfloat16 midpoint, some exactly on it); a few such elements per round, spread
-# by the local steps, leave the workers ~1.5e-5 apart after 3 rounds: 1e-5 cannot hold by design.
-LOSSY_REASON = ("a lossy codec turns the engines' float32 rounding differences (~1e-8) into whole codec steps "
-                "at rounding boundaries; bytes and simulated time are still compared exactly")
+# boundary. Measured: with bfloat16 gossip, each element that differed after the first round had one
+# partner's message within ~1e-6 of a bfloat16 midpoint (some exactly on it); with DiLoCo's int8 mean,
+# one-ulp noise on 15% of one engine's points moves ~60 elements of the mean by a step, as many as differ
+# between the engines. Spread by the local steps, that leaves the workers 0.5-4e-5 apart after 3 rounds.
+# So lossy cases get a tolerance of 1e-3 relative: 25 times what those flips leave, and far below what a wrong
+# rule leaves (the own message not decoded, a copy out of step, a chunk summed twice: 1e-2 and more).
+LOSSY_TOLERANCE = 1e-3
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_simulator_reaches_the_strategys_parameters(case, tmp_path, fresh_port):
-    if CASES[case].lossy:
-        pytest.skip(LOSSY_REASON)
     outcome = _outcome(case, tmp_path)
+    tolerance = LOSSY_TOLERANCE if CASES[case].lossy else 1e-5
     assert outcome.rounds == (STEPS // H, STEPS // H), case
     for worker, (error, moved) in enumerate(zip(outcome.parameter_error, outcome.moved)):
-        assert error <= 1e-5, f"{case}: worker {worker}"
+        assert error <= tolerance, f"{case}: worker {worker}"
         assert moved > 1e-3, f"{case}: worker {worker} did not train"
-    assert outcome.consensus_error <= 1e-5, case
+    assert outcome.consensus_error <= tolerance, case
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -190,7 +203,7 @@ def test_the_simulator_counts_the_strategys_bytes_and_simulated_time(case, tmp_p
     simulated_time, strategy_time = outcome.sim_time
     has_network = any(o.startswith("network=") for o in CASES[case].overrides)
     assert (simulated_time is not None) == has_network, case
-    assert all((t is not None) == has_network for t in strategy_time), case
+    assert all((value is not None) == has_network for value in strategy_time), case
     if has_network:
         for worker, (simulated, expected) in enumerate(zip(simulated_time, strategy_time)):
             assert simulated == pytest.approx(expected, rel=1e-9, abs=0.0), f"{case}: worker {worker}"

@@ -415,8 +415,10 @@ class GASLoCStrategy(LocalStepsStrategy):
         clock = self._round_clock.on_post() if self._round_clock is not None else None
         peers = self.peers()
         pending = None
-        if wire is not None or round_.copies is not None and self.world_size > 1:
+        if round_.copies is not None and self.world_size > 1:  # error feedback: each peer its own difference
             pending = self._transport.post(round_.messages(sorted(peers)), peers, self.round_index, clock)
+        elif wire is not None:
+            pending = self._transport.post(wire, peers, self.round_index, clock)
         if self._overlap:
             self._pending = pending
             round_.hold(point)
