@@ -11,6 +11,9 @@ import torch.distributed as dist
 
 # OMP_NUM_THREADS too: Lightning's launchers set it in the launching process, and a later test's forked
 # workers would then keep the parent's thread count.
+# The fused round is chosen by size unless forced: a value in the user's environment must not change the suite.
+os.environ.pop("GASLOC_FUSED_ROUND", None)
+
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
              "OMP_NUM_THREADS")
 

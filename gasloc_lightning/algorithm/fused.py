@@ -1,47 +1,52 @@
-"""GASLoC's exact round (float32 messages, no overlap, anchored form, one peer) in two memory passes.
+"""GASLoC's exact round (float32 messages, no overlap, anchored form, one peer) in two fused kernels.
 
-The round of :mod:`~gasloc_lightning.algorithm.round` reads and writes the model-size vectors in seven
-separate kernels: a finite check of thetaH, two lerps for the message, a finite check of the peer's
-u_j, the mix, the anchor update and the copy back into the live parameters. The two functions here
-do the same math with the finite check of thetaH and the last three passes folded into one kernel each:
+:mod:`~gasloc_lightning.algorithm.round` runs this round as seven model-size kernels: a finite check
+of thetaH, two lerps for the message, a finite check of the peer's u_j, the mix, the anchor update and
+the copy back into the live parameters. Here the finite check of u_j stays (the caller's) and the
+rest become two passes:
 
 * :func:`fused_message`: u = z + gamma (z - x), z = theta + eta (thetaH - theta), over thetaH, and
-  whether u is finite (one pass: reads thetaH, theta, x; writes u).
+  whether u is finite (reads thetaH, theta, x; writes u).
 * :func:`fused_pair_finish`: theta' = u + w (u_j - u) into the point and the round start, and
-  x' = theta' + gamma / (1 + gamma) (x - theta') (one pass: reads u, u_j, x; writes three).
+  x' = theta' + gamma / (1 + gamma) (x - theta') (reads u, u_j, x; writes three).
 
-Symbols: thetaH (``local_end``), theta (``round_start``), x (``anchor``), eta (``outer_lr``),
-gamma (``outer_momentum``), w (``weight``), u_j (``received``), as in :mod:`.outer`.
+Symbols as in :mod:`.outer`: thetaH ``local_end``, theta ``round_start``, x ``anchor``, eta
+``outer_lr``, gamma ``outer_momentum``, w ``weight``, u_j ``received``.
 
-Each runs one of two implementations with the same semantics:
+Two implementations, one semantics. Eager: today's torch.lerp sequence, bit for bit. Compiled: one
+torch.compile'd (inductor) kernel each, C++ on CPU, Triton on CUDA, with torch.lerp's formula
+(``start + w (end - start)`` for ``|w| < 0.5``, else ``end - (1 - w)(end - start)``); FMA contraction
+makes it differ from eager in the last bits (measured: at most 1.8e-7 of max|result|).
 
-* eager: exactly today's torch.lerp sequence (the same bits as OuterState.message, mix, finish);
-* compiled: one torch.compile'd (inductor) kernel, C++ on CPU, Triton on CUDA. Both paths use
-  torch.lerp's formula, ``start + w (end - start)`` for ``|w| < 0.5`` and ``end - (1 - w)(end - start)``
-  otherwise; the compiled kernel contracts into FMAs and so differs from eager in the last bits
-  (measured: at most 1.2e-7 of max|result| on random data).
+:func:`enabled` takes the compiled kernels on CPU from ``MIN_COMPILED_NUMEL`` (2**20) elements when
+torch.compile works: below that, compiling (seconds per process) buys nothing; on CUDA never by
+default (the table below). ``GASLOC_FUSED_ROUND`` = ``0`` / ``1`` forces it off / on for any size
+and device; an explicit ``compiled=`` argument wins over both. The first compile failure (no C++
+compiler, an unsupported platform) logs one warning and leaves the process eager. :func:`warm_up`
+compiles ahead of the first round.
 
-:func:`enabled` picks the compiled kernel for vectors of at least ``MIN_COMPILED_NUMEL`` (2**20)
-elements when torch.compile works; below that, compiling (seconds per process) buys nothing. The
-environment variable ``GASLOC_FUSED_ROUND`` = ``0`` / ``1`` forces it off / on whatever the size;
-an explicit ``compiled=`` argument wins over both. The first compile failure (no C++ compiler, an
-unsupported platform) logs one warning, and the process stays eager from then on.
-
-One compiled graph per function serves every size >= 2 (dynamic shapes) and every eta, gamma and
-w (passed as a device tensor, not baked in as constants); vectors of 0 or 1 elements run eagerly,
-since dynamo specializes those sizes. Inductor bakes the thread count into CPU kernels and dynamo
-guards on it, so a change of ``torch.set_num_threads`` between rounds costs one recompile.
+One graph per function serves every size >= 2 (dynamic shapes; dynamo specializes 0 and 1, which run
+eagerly) and every eta, gamma, w (a device tensor, not constants). Dynamo guards on the thread count:
+a ``torch.set_num_threads`` change costs one recompile. The CPU kernel reads the thread count when it
+runs (``cpp.dynamic_threads``; otherwise a graph first compiled on a small vector stays serial).
 Compilation runs in this process (``compile_threads=1``): inductor's worker pool would outlive us.
+A compiled call costs ~0.2 ms of Python (dynamo's guards) against ~0.08 ms eager, at 4k elements.
 
-Measured on a 10.8M-element float32 vector, CPU (2 cores, torch 2.13), best of 10 rounds:
-``python -m gasloc_lightning.algorithm.fused`` (add ``TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)`` for a
-cold compile cache)
+``python -m gasloc_lightning.algorithm.fused [--cuda]`` (cold cache: ``TORCHINDUCTOR_CACHE_DIR=$(mktemp
+-d)``), one round on 10.8M float32 elements, best of 10-30 (eager: passes 1, 2, 4-7 as round.py runs
+them; fused: fused_message, aminmax of u_j, fused_pair_finish; copy: one vector ``copy_``):
 
-    torch threads   eager: 7 passes   fused: 2 kernels + 1 check   raw copy (clone)
-    1               TBD               TBD                          TBD
-    2               TBD               TBD                          TBD
+    machine                                    threads   eager ms   fused ms   copy ms
+    dev box, 2 cores, torch 2.13 (load ~4)     1         58-87      37-55      8.5-9.4
+    H200 host CPU, 16 cores, torch 2.11 (*)    1         51.9       34.9       7.1
+    H200 host CPU (*)                          2         26.6       27.4       3.9
+    H200 GPU, 268M elements (*)                -         4.18       4.73       0.54
 
-First calls (both kernels, dynamo and inductor imports included): TBD cold cache, TBD warm.
+16 model-size reads and writes become 11; CPU time follows (0.6-0.7x). (*): before
+``cpp.dynamic_threads``; the second thread's missing gain there is unexplained (the dev box, loaded,
+ran every kernel slower on two threads than on one). On the GPU the Triton split reduction for the
+finite flag is slower than aminmax, so the compiled round loses. First calls (both kernels, imports
+included): dev box 23-28 s cold cache, 4-7 s warm; H200 host CPU ~50 s cold; CUDA 5.9 s cold, 3.3 s warm.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
+from gasloc_lightning.algorithm.outer import all_finite, validate_outer_hyperparameters
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +97,7 @@ def fused_message(
     """
     validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
     _check_vectors(local_end=local_end, round_start=round_start, anchor=anchor)
-    if _use_compiled(compiled, local_end.numel()):
+    if _use_compiled(compiled, local_end):
         coefficients = _scalars(local_end, outer_lr, 1.0 + outer_momentum)
         finite = _STATE.run("message", _message_kernel, local_end.view(-1), round_start.view(-1),
                             anchor.view(-1), coefficients)
@@ -100,7 +105,7 @@ def fused_message(
             return bool(finite)
     torch.lerp(round_start, local_end, outer_lr, out=local_end)  # z
     torch.lerp(anchor, local_end, 1.0 + outer_momentum, out=local_end)  # u
-    return _all_finite(local_end)
+    return all_finite(local_end)
 
 
 def fused_pair_finish(
@@ -128,12 +133,13 @@ def fused_pair_finish(
         outer_momentum: gamma in [0, 1).
         compiled: True / False forces the compiled / eager kernel; None asks :func:`enabled`.
     """
-    validate_outer_hyperparameters(1.0, outer_momentum, "anchored")
+    if not 0.0 <= outer_momentum < 1.0:
+        raise ValueError(f"outer_momentum (gamma) must be in [0, 1), got {outer_momentum}")
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"weight (w_ij) must lie in [0, 1], got {weight!r}")
     _check_vectors(point=point, received=received, round_start=round_start, anchor=anchor)
     keep = outer_momentum / (1.0 + outer_momentum)
-    if _use_compiled(compiled, point.numel()):
+    if _use_compiled(compiled, point):
         coefficients = _scalars(point, weight, keep)
         vectors = (point.view(-1), received.view(-1), round_start.view(-1), anchor.view(-1))
         if _STATE.run("pair_finish", _pair_finish_kernel, *vectors, coefficients) is not _FAILED:
@@ -143,24 +149,42 @@ def fused_pair_finish(
     point.copy_(round_start)
 
 
-def enabled(numel: int, *, min_numel: int = MIN_COMPILED_NUMEL) -> bool:
-    """Whether a round on ``numel`` elements runs the compiled kernels (when no ``compiled=`` is given).
+def enabled(numel: int, *, device: torch.device | str = "cpu", min_numel: int = MIN_COMPILED_NUMEL) -> bool:
+    """Whether a round on ``numel`` elements on ``device`` runs the compiled kernels (no ``compiled=`` given).
 
-    Yes when ``GASLOC_FUSED_ROUND`` is ``1`` or ``numel >= min_numel``, unless the variable is ``0``,
-    the vector has fewer than 2 elements, torch.compile is unavailable, or a compile failed earlier.
+    By default on CPU from ``min_numel`` elements on; never by default on CUDA, where the eager passes
+    already run near the memory bandwidth and the compiled ones were measured slower (module docstring).
+    ``GASLOC_FUSED_ROUND=1`` turns it on for any size and device, ``0`` off. Never for fewer than 2
+    elements, without a working torch.compile, or after a compile failed in this process.
     """
     forced = _forced()
     if forced is False:
         return False
-    return (forced is True or numel >= min_numel) and _can_compile(numel)
+    by_default = torch.device(device).type == "cpu" and numel >= min_numel
+    return (forced is True or by_default) and _can_compile(numel)
+
+
+def warm_up(device: torch.device | str = "cpu") -> bool:
+    """Compile both kernels now, on scratch vectors; returns whether the compiled kernels work here.
+
+    A compile takes seconds with a warm inductor cache and up to a minute with a cold one. Call this in
+    setup, after the thread count is set and before the first exchange, where the strategy decided on
+    the compiled path: otherwise the first round pays it while the peers wait for this worker's message.
+    One graph serves every size, so 16 elements compile what a model of any size runs.
+    """
+    local_end, round_start, anchor, received = (torch.zeros(16, device=device) for _ in range(4))
+    fused_message(local_end, round_start, anchor, 1.0, 0.0, compiled=True)
+    fused_pair_finish(local_end, received, 0.5, round_start, anchor, 0.0, compiled=True)
+    return _can_compile(local_end.numel())
 
 
 # ---------------------------------------------------------------------- the compiled kernels
 def _message_kernel(local_end: Tensor, round_start: Tensor, anchor: Tensor, coefficients: Tensor) -> Tensor:
     z = torch.lerp(round_start, local_end, coefficients[0])  # (N,)
-    u = torch.lerp(anchor, z, coefficients[1])  # (N,)
-    local_end.copy_(u)
-    return torch.isfinite(u).all()  # () reduced in the same loop that writes u
+    local_end.copy_(torch.lerp(anchor, z, coefficients[1]))  # u
+    # Reduced from local_end, not from u: on CPU one loop either way; from u, inductor's CUDA code
+    # stored u twice (a temporary for its split reduction, and local_end).
+    return torch.isfinite(local_end).all()  # ()
 
 
 def _pair_finish_kernel(point: Tensor, received: Tensor, round_start: Tensor, anchor: Tensor,
@@ -184,7 +208,8 @@ class _CompileState:
             return _FAILED
         try:
             if name not in self._kernels:
-                self._kernels[name] = torch.compile(kernel, dynamic=True, fullgraph=True)
+                self._kernels[name] = torch.compile(kernel, dynamic=True, fullgraph=True,
+                                                    options={"cpp.dynamic_threads": True})
             with _compile_context(args[0].device):
                 return self._kernels[name](*args)
         except Exception as error:  # noqa: BLE001 - any compile failure means "stay eager"
@@ -212,8 +237,10 @@ def _compile_context(device: torch.device) -> Iterator[None]:
         inductor_config.compile_threads = threads
 
 
-def _use_compiled(compiled: bool | None, numel: int) -> bool:
-    return enabled(numel) if compiled is None else compiled and _can_compile(numel)
+def _use_compiled(compiled: bool | None, vector: Tensor) -> bool:
+    if compiled is None:
+        return enabled(vector.numel(), device=vector.device)
+    return compiled and _can_compile(vector.numel())
 
 
 def _can_compile(numel: int) -> bool:
@@ -248,18 +275,11 @@ def _check_vectors(**vectors: Tensor) -> None:
     first_name, first = next(iter(vectors.items()))
     for name, tensor in vectors.items():
         if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 tensor, got {tensor.dtype}")
+            raise ValueError(f"{name} must be a contiguous float32 tensor, got {tensor.dtype} "
+                             f"(contiguous: {tensor.is_contiguous()})")
         if tensor.shape != first.shape or tensor.device != first.device:
             raise ValueError(f"{name} must match {first_name}: shape {tuple(first.shape)} on {first.device}, "
                              f"got {tuple(tensor.shape)} on {tensor.device}")
-
-
-def _all_finite(tensor: Tensor) -> bool:
-    """As ``round.all_finite``: one read pass, no temporary (NaN and +-inf reach min or max)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 # ---------------------------------------------------------------------- measurement
@@ -277,24 +297,26 @@ def _benchmark(numel: int = 10_800_000, threads: tuple[int, ...] = (1, 2), devic
     eta, gamma, weight = 0.7, 0.5, 0.5
     point, received = torch.randn(numel, device=device), torch.randn(numel, device=device)
     outer = OuterState(torch.randn(numel, device=device), eta, gamma)
+    torch.set_num_threads(threads[0])  # dynamo guards on the thread count: compile for the first one timed
     start = time.perf_counter()
     fused_message(point, outer.round_start, outer.anchor, eta, gamma, compiled=True)
     fused_pair_finish(point, received, weight, outer.round_start, outer.anchor, gamma, compiled=True)
     print(f"first_call_s={time.perf_counter() - start:.2f} compiled={not _STATE.broken}")
 
     def eager() -> None:  # passes 1, 2, 4, 5, 6, 7 of the round as round.py runs them
-        _all_finite(point)
+        all_finite(point)
         outer.message(point)
-        _all_finite(received)
+        all_finite(received)
         mix(point, [(weight, received)], out=outer.mixed_destination())
         point.copy_(outer.finish(point, outer.mixed_destination()))
 
     def fused() -> None:
         fused_message(point, outer.round_start, outer.anchor, eta, gamma, compiled=True)
-        _all_finite(received)
+        all_finite(received)
         fused_pair_finish(point, received, weight, outer.round_start, outer.anchor, gamma, compiled=True)
 
-    steps = {"eager": eager, "fused": fused, "clone": received.clone}
+    receive_buffer = torch.empty_like(received)
+    steps = {"eager": eager, "fused": fused, "copy": lambda: receive_buffer.copy_(received)}
     for count in threads:
         torch.set_num_threads(count)
         best = dict.fromkeys(steps, math.inf)
@@ -316,4 +338,7 @@ def _synchronize(device: str) -> None:
 
 
 if __name__ == "__main__":
-    _benchmark(device="cuda" if "--cuda" in sys.argv else "cpu")
+    if "--cuda" in sys.argv:
+        _benchmark(device="cuda", threads=(1,), numel=2**28)
+    else:
+        _benchmark()

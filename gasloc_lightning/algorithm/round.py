@@ -45,18 +45,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from gasloc_lightning.algorithm import fused as fused_kernels
 from gasloc_lightning.algorithm.codecs import CODECS, MessageCodec, build_codec
-from gasloc_lightning.algorithm.outer import OuterState, mix, validate_outer_hyperparameters
+from gasloc_lightning.algorithm.outer import OuterState, all_finite, mix, validate_outer_hyperparameters
 
 Received = Sequence[tuple[float, Tensor]]
-
-
-def all_finite(tensor: Tensor) -> bool:
-    """Whether every entry is finite, in one read pass and no temporary (NaN and +-inf reach min or max)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def check_codec(message_codec: str) -> str:
@@ -96,6 +89,9 @@ class GossipRound:
         error_feedback: send each peer the encoded *difference* between the point and the public copy that
             peer holds of it (CHOCO-gossip, per edge; see :class:`EdgeCopies`), instead of the encoded point.
             Needs a lossy codec and edges that repeat (a fixed or periodic graph).
+        fused: run the exact round (float32, no overlap, anchored, one worker, one peer) as two fused
+            kernels (:mod:`gasloc_lightning.algorithm.fused`); None: when that module says it pays (large
+            vectors on CPU, ``GASLOC_FUSED_ROUND``). The results differ from the eager passes in the last bits.
     """
 
     def __init__(
@@ -110,6 +106,7 @@ class GossipRound:
         overlap: bool = False,
         delayed_weight: float = 1.0,
         error_feedback: bool = False,
+        fused: bool | None = None,
     ) -> None:
         if initial.dim() not in (1, 2):
             raise ValueError(f"initial must be one point (N,) or stacked rows (n, P), got shape {tuple(initial.shape)}")
@@ -145,6 +142,14 @@ class GossipRound:
         self.copies = EdgeCopies(initial, build_codec(message_codec)) if error_feedback else None
         self._point: Tensor | None = None  # u (p) of this round, for the per-peer messages of error feedback
         self._outgoing: Tensor | None = None  # the wire every peer gets (without error feedback)
+        fusable = outer_form == "anchored" and not self.by_correction and initial.dim() == 1
+        if fused and not fusable:
+            raise ValueError("fused=True needs the exact round: float32 messages, no overlap, the anchored form and "
+                             "one worker's point")
+        self.fused = fusable and (fused if fused is not None else fused_kernels.enabled(num_parameters,
+                                                                                         device=device))
+        self.message_finite: bool | None = None  # the fused message's own finite check (None: not checked)
+        self._finished = False  # the fused mix already finished the outer step
 
     # ------------------------------------------------------------------ the wire
     @property
@@ -179,7 +184,13 @@ class GossipRound:
 
         With ``send=False`` (a rank that does not exchange) nothing is encoded and None is returned.
         """
-        self.outer.message(point[..., : self.num_parameters])
+        if self.fused:
+            outer = self.outer
+            self.message_finite = fused_kernels.fused_message(
+                point[: self.num_parameters], outer.round_start, outer.anchor, outer.outer_lr, outer.outer_momentum,
+                compiled=True)
+        else:
+            self.outer.message(point[..., : self.num_parameters])
         if self.overlap and bool(self.ready.any()):
             if point.dim() == 1:
                 point.add_(self.correction)
@@ -215,6 +226,9 @@ class GossipRound:
     @torch.no_grad()
     def finish(self, point: Tensor) -> Tensor:
         """End the round: :attr:`mixed` holds theta' (parameters); the outer state and ``point`` take it."""
+        if self._finished:  # the fused mix wrote theta' into the point and the outer state already
+            self._finished = False
+            return self.outer.round_start
         new_start = self.outer.finish(None, self.mixed)
         point[..., : self.num_parameters].copy_(new_start)
         return new_start
@@ -243,7 +257,13 @@ class GossipRound:
         n = self.num_parameters
         u = point if row is None else point[row]
         mixed = self.mixed if row is None else self.mixed[row]
-        mix(u[:n], [(w, r[:n]) for w, r in accepted], out=mixed)
+        if self.fused and len(accepted) == 1:  # one pass: theta' into the point and the round start, x'
+            (weight, other), outer = accepted[0], self.outer
+            fused_kernels.fused_pair_finish(u[:n], other[:n], weight, outer.round_start, outer.anchor,
+                                            outer.outer_momentum, compiled=True)
+            self._finished = True
+        else:
+            mix(u[:n], [(w, r[:n]) for w, r in accepted], out=mixed)
         if self.numel > n:
             if row is not None:
                 raise ValueError("stacked rows carry no buffers")

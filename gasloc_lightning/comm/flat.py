@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from gasloc_lightning.algorithm.round import all_finite
+from gasloc_lightning.algorithm.outer import all_finite
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:

@@ -16,6 +16,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.outer import OuterState, validate_outer_hyperparameters
+from gasloc_lightning.algorithm import fused as fused_kernels
 from gasloc_lightning.algorithm.fragments import FragmentPoints
 from gasloc_lightning.algorithm.round import GossipRound, all_finite, check_codec, wire_format
 from gasloc_lightning.algorithm.streaming import fragment_bounds
@@ -163,6 +164,11 @@ class GASLoCStrategy(LocalStepsStrategy):
         return self._error_feedback
 
     @property
+    def fused_round(self) -> bool:
+        """Whether rounds run as fused kernels (:mod:`gasloc_lightning.algorithm.fused`; set up with the round)."""
+        return self._round is not None and self._round.fused
+
+    @property
     @override
     def message_dtype(self) -> torch.dtype:
         """The dtype of the tensor on the wire (``torch.uint8`` for the quantized codecs)."""
@@ -247,7 +253,11 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.layout.read(), self.layout.num_parameter_elements, outer_lr=self._outer_lr,
             outer_momentum=self.outer_momentum, outer_form=self._outer_form, message_codec=self._message_codec,
             overlap=self._overlap, delayed_weight=self._delayed_weight, error_feedback=self._error_feedback,
+            # fused kernels round differently in the last bits: the ranks of one worker must all run the same code
+            fused=False if self.ranks_per_worker > 1 or self._topology.uses_all_reduce else None,
         )
+        if self._round.fused:
+            fused_kernels.warm_up(self.root_device)  # compile now, not while the first round's peers wait
         self._pending = self._completed = None
 
     def _build_fragments(self) -> None:
@@ -386,9 +396,12 @@ class GASLoCStrategy(LocalStepsStrategy):
         layout, round_ = self.layout, self._round
         self._drain_exchanges()  # an overlapped exchange reads the wire and yields the correction folded in now
         point = layout.read()  # thetaH | buffers (the live vector when bound)
-        self._guard_local_point(point, round_.outer.round_start)
         exchanging = self.is_worker_leader and self.world_size > 1 and not self._topology.uses_all_reduce
-        wire = round_.begin(point, send=exchanging)  # point: u (p with overlap)
+        if round_.fused:  # the fused message checks its own finiteness in the same pass
+            wire = self._begin_fused(point, send=exchanging)
+        else:
+            self._guard_local_point(point, round_.outer.round_start)
+            wire = round_.begin(point, send=exchanging)  # point: u (p with overlap)
         _, buffers = layout.split(point)
         if self._topology.uses_all_reduce and self.world_size > 1:
             self._transport.all_reduce_mean(point)  # replicas inside a worker are equal: a mean over workers
@@ -405,6 +418,20 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.broadcast_in_worker(round_.mixed, buffers, self._clock_tensor())
         round_.finish(point)
         layout.scatter(point)
+
+    def _begin_fused(self, point: Tensor, send: bool) -> Tensor | None:
+        """The fused message (u and its finite check in one pass); a non-finite point discards the round's local
+        steps as the guard does (params from the round start, buffers as the round started) and begins again."""
+        round_ = self._round
+        wire = round_.begin(point, send=send)
+        _, buffers = self.layout.split(point)
+        if self._guard.record_local_point(round_.message_finite and all_finite(buffers), self._where()):
+            return wire
+        params, buffers = self.layout.split(point)
+        params.copy_(round_.outer.round_start)
+        buffers.copy_(self._round_start_buffers)
+        self._zero_nonfinite_optimizer_state()
+        return round_.begin(point, send=send)
 
     def _exchange(self, point: Tensor, wire: Tensor | None) -> None:
         """The leader's gossip: post the wire, then mix now, correct now, or (overlap) leave it in flight."""

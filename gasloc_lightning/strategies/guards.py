@@ -42,7 +42,11 @@ class NonFiniteGuard:
 
     def local_point_is_usable(self, message: Tensor, where: str) -> bool:
         """True when ``message`` is finite; False when the round must be discarded; raises per the policy."""
-        if all_finite(message):
+        return self.record_local_point(all_finite(message), where)
+
+    def record_local_point(self, finite: bool, where: str) -> bool:
+        """As :meth:`local_point_is_usable`, for a point whose finiteness was checked elsewhere (a fused pass)."""
+        if finite:
             self.consecutive_skips = 0
             return True
         if self.on_nonfinite == "raise":
