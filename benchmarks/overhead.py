@@ -54,11 +54,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-import gasloc_lightning.strategies.gasloc as strategy_module
 from gasloc_lightning import GASLoCStrategy, LocalStepsStrategy
 from gasloc_lightning.models.gpt import GPTConfig
 from gasloc_lightning.models.lm import LanguageModel
-from gasloc_lightning.algorithm.outer import OuterState
+from gasloc_lightning.algorithm.round import GossipRound
 from gasloc_lightning.comm.flat import FlatLayout
 from gasloc_lightning.comm.transport import GossipTransport
 
@@ -180,15 +179,13 @@ def _raw_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> None:
 # Pieces the library does not have (it changes) are left out; the rest of the round shows as "other".
 _PIECES = {
     "read (live flat vector)": (FlatLayout, "read"),
-    "finite check, own point": (LocalStepsStrategy, "_guard_local_point"),
-    "outer.message (2 lerps)": (OuterState, "message"),
+    "finite check, own point (eager)": (LocalStepsStrategy, "_guard_local_point"),
+    "message u (+ finite check fused)": (GossipRound, "begin"),
     "transport.post": (GossipTransport, "post"),
     "transport.complete (wait)": (GossipTransport, "complete"),
-    "finite check, received": (LocalStepsStrategy, "_accept"),
-    "mix (1 lerp)": (strategy_module, "mix"),
-    "outer.finish (1 lerp)": (OuterState, "finish"),
-    "scatter (flat -> params)": (FlatLayout, "scatter_parameters"),
-    "scatter buffers": (FlatLayout, "scatter_buffers"),
+    "check received + mix (+ finish fused)": (GossipRound, "mix"),
+    "finish: anchor + copy back (eager)": (GossipRound, "finish"),
+    "scatter (flat -> params)": (FlatLayout, "scatter"),
     "whole round": (GASLoCStrategy, "_communicate"),
 }
 
@@ -220,7 +217,7 @@ def _timed(function: Callable, times: list[float]) -> Callable:
 def _memory(strategy: GASLoCStrategy) -> dict[str, int]:
     """Bytes of the model and of the strategy's model-size buffers (private fields: read, never changed)."""
     transport = getattr(strategy, "_transport", None)
-    scratch = getattr(strategy, "_work", None)  # GASLoC's own message buffer: allocated with overlap only
+    scratch = getattr(strategy._round, "_wire", None)  # the round's own wire buffer: overlap or a codec only
     receive = getattr(transport, "_receive_buffers", [])
     return {
         "model_parameters": sum(p.numel() * p.element_size() for p in strategy.layout.parameters),
@@ -471,7 +468,7 @@ def _print_memory(runs: list[dict[str, dict]]) -> float:
     rows = [
         ("outer state (round start + anchor)", memory["outer_state"]),
         (f"receive buffers ({memory['receive_buffer_count']} peer slot)", memory["receive_buffers"]),
-        ("scratch message vector (overlap only)", memory["scratch"]),
+        ("wire buffer (overlap or a codec only)", memory["scratch"]),
     ]
     for name, num_bytes in rows:
         print(f"  {name:40s} {num_bytes / 1e6:8.1f} MB   {num_bytes / model:5.2f}")

@@ -53,11 +53,17 @@ class FragmentPoints:
 
     def leaving(self, step_in_round: int) -> int | None:
         """The fragment that leaves after this step of the round (1 to H), or None."""
-        return _index(self.prepare_at, step_in_round)
+        return _index(self.prepare_at, self._check_step(step_in_round))
 
     def landing(self, step_in_round: int) -> int | None:
         """The fragment that lands after this step of the round, or None (after :meth:`leaving` on a tie)."""
-        return _index(self.perform_at, step_in_round)
+        return _index(self.perform_at, self._check_step(step_in_round))
+
+    def _check_step(self, step_in_round: int) -> int:
+        if isinstance(step_in_round, bool) or not isinstance(step_in_round, int) or \
+                not 1 <= step_in_round <= self.inner_steps:
+            raise ValueError(f"step_in_round must be an int in [1, {self.inner_steps}], got {step_in_round!r}")
+        return step_in_round
 
 
 def resolve_points(inner_steps: int, fragments: int, fragment_sync_delay: int = 0,

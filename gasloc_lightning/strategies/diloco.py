@@ -123,6 +123,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
             rank_zero_warn(f"overlap=True has no room with inner_steps={steps} and fragments={self._fragments}: "
                            "fragments land one step apart, so each all-reduce waits at once. Use inner_steps >= "
                            "2 x fragments to overlap communication with compute.")
+
     @override
     def _init_outer_state(self) -> None:
         params, _ = self.layout.split(self.layout.read())
