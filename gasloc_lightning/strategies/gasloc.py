@@ -324,15 +324,7 @@ class GASLoCStrategy(LocalStepsStrategy):
                 self._round_clock.wait_until(extra)
             round_.mixed.copy_(u[: round_.num_parameters])
         else:
-            received = [] if handle is None else self._transport.complete(handle)
-            if round_.by_correction:
-                rejected = [] if handle is None else round_.correct(received, peers=sorted(handle.peers))
-                round_.apply_correction(u)
-            else:
-                rejected = round_.mix(u, received)
-            if handle is not None:
-                self._reject(rejected, handle)
-                self._complete_clock(handle, round_, fraction=extra)
+            self._receive(round_, u, handle, fraction=extra)
         round_.finish(u)
 
     @override
@@ -450,16 +442,21 @@ class GASLoCStrategy(LocalStepsStrategy):
             self._pending = pending
             round_.hold(point)
             return
+        self._receive(round_, point, pending)
+
+    def _receive(self, round_: GossipRound, point: Tensor, pending: PendingExchange | None,
+                 fraction: float = 1.0) -> None:
+        """Wait for the exchange, then mix (or correct) ``point`` (u) with what came back; None: a world of one
+        sent nothing, and the point mixes with nobody."""
         received = [] if pending is None else self._transport.complete(pending)
         if round_.by_correction:
-            # None: a world of one sent nothing
             rejected = [] if pending is None else round_.correct(received, peers=sorted(pending.peers))
             round_.apply_correction(point)
         else:
             rejected = round_.mix(point, received)
         if pending is not None:
             self._reject(rejected, pending)
-            self._complete_clock(pending)
+            self._complete_clock(pending, round_, fraction=fraction)
 
     def _complete_clock(self, pending: PendingExchange | None, round_: GossipRound | None = None,
                         fraction: float = 1.0) -> None:
