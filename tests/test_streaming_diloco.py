@@ -107,9 +107,10 @@ def test_points_split_a_round_by_floor_when_fragments_do_not_divide_inner_steps(
     assert max_fragment_sync_delay(7, 2) == 2
 
 
-def test_overlap_takes_the_longest_delay_the_schedule_allows():
-    assert resolve_points(8, 2, overlap=True) == FragmentPoints(8, 2, 3)
-    assert resolve_points(5, 4, overlap=True) == FragmentPoints(5, 4, 0)
+def test_overlap_hides_each_transfer_under_one_step_where_the_schedule_has_room():
+    assert resolve_points(8, 2, overlap=True) == FragmentPoints(8, 2, 1)
+    assert resolve_points(8, 1, overlap=True) == FragmentPoints(8, 1, 1)
+    assert resolve_points(5, 4, overlap=True) == FragmentPoints(5, 4, 0)  # fragments land one step apart
     assert resolve_points(6, 3, 1) == FragmentPoints(6, 3, 1)
     with pytest.raises(ValueError, match="overlap=True chooses fragment_sync_delay itself"):
         resolve_points(8, 2, 1, overlap=True)

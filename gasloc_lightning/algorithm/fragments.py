@@ -68,11 +68,13 @@ class FragmentPoints:
 
 def resolve_points(inner_steps: int, fragments: int, fragment_sync_delay: int = 0,
                    overlap: bool = False) -> FragmentPoints:
-    """The schedule of a streamed round; ``overlap=True`` takes the longest delay the schedule allows."""
+    """The schedule of a streamed round. ``overlap=True`` hides each transfer under one step of compute (tau = 1,
+    Streaming DiLoCo's usual setting: with alpha = 0 that one step of the fragment is dropped, a longer tau drops
+    more), when the schedule has room for it; set ``fragment_sync_delay`` for more."""
     if overlap and fragment_sync_delay:
         raise ValueError("overlap=True chooses fragment_sync_delay itself: leave fragment_sync_delay at 0")
     if overlap and fragments <= inner_steps:
-        fragment_sync_delay = max_fragment_sync_delay(inner_steps, fragments)
+        fragment_sync_delay = min(1, max_fragment_sync_delay(inner_steps, fragments))
     return FragmentPoints(inner_steps, fragments, fragment_sync_delay)
 
 

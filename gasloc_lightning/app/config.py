@@ -100,7 +100,7 @@ class DiLoCoStrategySchema(LocalStepsSchema):
     fragments: int = 1  # Streaming DiLoCo: fragments synced in turn
     fragment_sync_delay: int = 0  # steps between a fragment's pseudo-gradient leaving and its outer step
     fragment_update_alpha: float = 0.0  # live share when a fragment lands
-    overlap: bool = False  # the longest fragment_sync_delay the schedule allows
+    overlap: bool = False  # fragment_sync_delay 1: each all-reduce runs under one step of compute
 
 
 @dataclass

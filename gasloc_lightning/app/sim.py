@@ -290,7 +290,7 @@ if __name__ == "__main__":
 def _streaming(strategy: DictConfig, inner_steps: int, per_worker: list[int], module: torch.nn.Module,
                overlap: bool) -> dict[str, Any]:
     """The rounds' fragment arguments, as the strategies resolve them (none when the round is not streamed);
-    ``overlap``: DiLoCo's (the longest delay), never GASLoC's (a whole-model round late)."""
+    ``overlap``: DiLoCo's (a delay of one step), never GASLoC's (a whole-model round late)."""
     fragments, delay = strategy.get("fragments", 1), strategy.get("fragment_sync_delay", 0)
     alpha = strategy.get("fragment_update_alpha", 0.0)
     if fragments == 1 and not delay and not alpha and not overlap:

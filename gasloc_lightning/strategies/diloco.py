@@ -13,7 +13,7 @@ with its own outer optimizer, and fragment f syncs once per round, after step fl
 ``fragment_sync_delay`` steps before its outer step lands, the all-reduce running meanwhile under
 compute; the live fragment then becomes ``lerp(global, live, fragment_update_alpha)``
 (:class:`~gasloc_lightning.algorithm.streaming.StreamingDiLoCoOuter`). ``overlap=True`` takes the
-longest delay the schedule allows.
+delay of one step (Streaming DiLoCo's usual setting).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class DiLoCoStrategy(LocalStepsStrategy):
         fragment_sync_delay: tau, inner steps between a fragment's pseudo-gradient leaving and its outer step
             landing (the all-reduce overlaps them); at most the gap between two fragments minus one.
         fragment_update_alpha: alpha in [0, 1], the live share when a fragment lands (0: take the global value).
-        overlap: take the longest ``fragment_sync_delay`` the schedule allows (leave ``fragment_sync_delay`` 0).
+        overlap: ``fragment_sync_delay=1``: each all-reduce runs under one step of compute (leave
+            ``fragment_sync_delay`` 0; set it instead for a longer delay).
         **kwargs: the remaining arguments of :class:`~gasloc_lightning.strategies.gasloc.LocalStepsStrategy`.
     """
 
