@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gasloc_lightning.algorithm.codecs import CODECS
-from gasloc_lightning.algorithm.round import DiLoCoRound, GossipRound, wire_format
+from gasloc_lightning.algorithm.round import DiLoCoRound, EncodedMean, GossipRound, wire_format
 
 
 def make_round(point, num_parameters=None, **kwargs):
@@ -233,3 +233,29 @@ def test_error_feedback_copies_agree_at_both_ends_of_an_edge():
 def test_error_feedback_needs_a_lossy_codec():
     with pytest.raises(ValueError, match="error_feedback"):
         make_round(torch.zeros(4), error_feedback=True)
+
+
+def test_a_corrupted_error_feedback_message_stops_the_run_instead_of_shifting_the_mean_forever():
+    start = torch.zeros(2, 256)
+    r = GossipRound(start, 256, outer_lr=1.0, outer_momentum=0.0, message_codec="int4", error_feedback=True)
+    flat = torch.randn(2, 256)
+    r.begin(flat)
+    wire = r.messages([1], row=0)[0].clone()
+    wire[-4:] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # the last block's float32 scale becomes NaN
+    with pytest.raises(FloatingPointError, match="error_feedback off"):
+        r.correct([(0.5, wire)], row=1, peers=[0])
+
+
+def test_error_feedback_state_keeps_the_copies_origin():
+    _, _, r = gossip_rounds("int4", True, rounds=2)
+    state = r.state_dict()
+    other = GossipRound(torch.zeros(4, 512), 512, outer_lr=1.0, outer_momentum=0.0, message_codec="int4",
+                        error_feedback=True)
+    other.load_state_dict(state)
+    assert torch.equal(other.copies.origin, r.copies.origin)
+    assert torch.equal(other.copies.sent(0, 1), r.copies.sent(0, 1))
+
+
+def test_diloco_refuses_a_codec_without_a_zero_level():
+    with pytest.raises(ValueError, match="int2"):
+        EncodedMean("int2", 100, 2)

@@ -100,3 +100,22 @@ def test_sync_batchnorm_is_refused_before_training(tmp_path):
                            default_root_dir=tmp_path)
     with pytest.raises(ValueError, match="sync_batchnorm"):
         trainer.fit(TinyRegressor())
+
+
+def test_codec_options_are_checked_with_the_worker_count():
+    with pytest.raises(ValueError, match="error_feedback=True needs edges that repeat"):
+        GASLoCStrategy(topology="one_peer", message_codec="int8", error_feedback=True,
+                       ranks_per_worker=2).check_configuration(8)  # 4 workers on random matchings
+    GASLoCStrategy(topology="ring", message_codec="int8", error_feedback=True, ranks_per_worker=2).check_configuration(8)
+    with pytest.raises(ValueError, match="error_feedback=True needs a lossy message_codec"):
+        GASLoCStrategy(topology="ring", error_feedback=True)
+    with pytest.raises(ValueError, match="int2"):
+        DiLoCoStrategy(message_codec="int2")
+    with pytest.raises(ValueError, match="message_codec"):
+        GASLoCStrategy(message_codec="int3")
+    with pytest.raises(ValueError, match="disagree"):
+        GASLoCStrategy(message_codec="int8", message_dtype="bfloat16")
+    with pytest.raises(ValueError, match="fragment_sync_delay"):
+        GASLoCStrategy(inner_steps=4, fragments=2, fragment_sync_delay=2).check_configuration(2)
+    with pytest.raises(ValueError, match="overlap=True delays whole-model rounds"):
+        GASLoCStrategy(fragments=2, overlap=True)

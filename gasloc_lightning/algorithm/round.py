@@ -132,7 +132,9 @@ class GossipRound:
         self._wire: Tensor | None = None
         self._own: Tensor | None = None  # the decoded own message (quantized codecs)
         self._scratch: Tensor | None = None  # one peer's decoded message (quantized codecs)
-        if self._codec is not None:
+        if error_feedback:
+            pass  # EdgeCopies keeps its own wires and scratch
+        elif self._codec is not None:
             self._wire = self._codec.new_wire(numel, *rows, device=device)
             self._own = torch.empty(*rows, numel, device=device)
             self._scratch = torch.empty(numel, device=device)
@@ -317,9 +319,12 @@ class GossipRound:
         total, rejected = 0.0, []
         for k, ((weight, wire), peer) in enumerate(zip(received, peers)):
             theirs = self.copies.decode(wire, row, peer)
-            if theirs is None:
-                rejected.append(k)
-                continue
+            if theirs is None:  # its sender advanced its copy of this edge: dropping it would shift the mean forever
+                raise FloatingPointError(
+                    f"a non-finite error-feedback message from peer {peer}: the two ends of that edge no longer "
+                    "hold the same public copies, so the replicas' mean would drift every round. A worker never "
+                    "sends one (its own point is checked first): the message was corrupted on the way. Turn "
+                    "error_feedback off on an untrusted network.")
             out.add_(theirs, alpha=self._scale * weight).sub_(self.copies.sent(row, peer), alpha=self._scale * weight)
             total += weight
         if row is None:
@@ -471,7 +476,8 @@ class EdgeCopies:
         return self._received_copy(row, peer).add_(difference)
 
     def state_dict(self) -> dict:
-        return {"sent": {f"{r}:{p}": t.clone() for (r, p), t in self._sent.items()},
+        return {"origin": self.origin.clone(),
+                "sent": {f"{r}:{p}": t.clone() for (r, p), t in self._sent.items()},
                 "received": {f"{r}:{p}": t.clone() for (r, p), t in self._received.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -479,6 +485,9 @@ class EdgeCopies:
             row, peer = text.split(":")
             return (None if row == "None" else int(row)), int(peer)
 
+        if state["origin"].shape != self.origin.shape:
+            raise ValueError("the error-feedback copies' origin does not fit this model")
+        self.origin.copy_(state["origin"])  # copies of edges not yet active start from it
         for name, target in (("sent", self._sent), ("received", self._received)):
             target.clear()
             for text, tensor in state[name].items():
@@ -502,6 +511,9 @@ class EncodedMean:
     def __init__(self, message_codec: str, numel: int, workers: int) -> None:
         if check_codec(message_codec) == "float32":
             raise ValueError("EncodedMean is for lossy codecs; a float32 mean is a plain all-reduce")
+        if message_codec == "int2":
+            raise ValueError("message_codec='int2' has no zero level (0 decodes to +scale/2), so a mean of encoded "
+                             "pseudo-gradients moves every parameter that did not move: use int4 or int8 for DiLoCo")
         if workers < 1 or numel < 1:
             raise ValueError(f"workers and numel must be >= 1, got {workers} and {numel}")
         self.codec = build_codec(message_codec)

@@ -212,6 +212,22 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     return simulator, parts
 
 
+def _streaming(strategy: DictConfig, inner_steps: int, per_worker: list[int], module: torch.nn.Module,
+               overlap: bool) -> dict[str, Any]:
+    """The rounds' fragment arguments, as the strategies resolve them (none when the round is not streamed);
+    ``overlap``: DiLoCo's (a delay of one step), never GASLoC's (a whole-model round late)."""
+    fragments, delay = strategy.get("fragments", 1), strategy.get("fragment_sync_delay", 0)
+    alpha = strategy.get("fragment_update_alpha", 0.0)
+    if fragments == 1 and not delay and not alpha and not overlap:
+        return {}
+    if len(set(per_worker)) > 1:
+        raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap need one inner_steps "
+                         "for every worker")
+    sizes = [p.numel() for p in module.parameters() if p.requires_grad]
+    return {"points": resolve_points(inner_steps, fragments, delay, overlap),
+            "bounds": fragment_bounds(sizes, fragments), "fragment_update_alpha": alpha}
+
+
 def _churn(cfg: DictConfig, workers: int, rounds: int) -> ChurnSchedule | None:
     sim = cfg.sim
     if sim.down_fraction == 0:
@@ -285,19 +301,3 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     main()
-
-
-def _streaming(strategy: DictConfig, inner_steps: int, per_worker: list[int], module: torch.nn.Module,
-               overlap: bool) -> dict[str, Any]:
-    """The rounds' fragment arguments, as the strategies resolve them (none when the round is not streamed);
-    ``overlap``: DiLoCo's (a delay of one step), never GASLoC's (a whole-model round late)."""
-    fragments, delay = strategy.get("fragments", 1), strategy.get("fragment_sync_delay", 0)
-    alpha = strategy.get("fragment_update_alpha", 0.0)
-    if fragments == 1 and not delay and not alpha and not overlap:
-        return {}
-    if len(set(per_worker)) > 1:
-        raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap need one inner_steps "
-                         "for every worker")
-    sizes = [p.numel() for p in module.parameters() if p.requires_grad]
-    return {"points": resolve_points(inner_steps, fragments, delay, overlap),
-            "bounds": fragment_bounds(sizes, fragments), "fragment_update_alpha": alpha}

@@ -100,7 +100,7 @@ class GossipTransport:
         self.dtype = dtype
         self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         self._receive_buffers: list[Tensor] = []
-        self._encoded: tuple[EncodedMean, dict[str, Tensor]] | None = None
+        self._encoded: dict[tuple[int, int], tuple[EncodedMean, dict[str, Tensor]]] = {}  # by (numel, world)
         self.counters = TrafficCounters()
 
     @property
@@ -233,17 +233,18 @@ class GossipTransport:
         all-gather: 2 (n - 1) / n of the encoded vector per worker, as a ring all-reduce of it.
         """
         n = self.world_size
-        if self._encoded is None or (self._encoded[0].numel, self._encoded[0].workers) != (tensor.numel(), n):
+        key = (tensor.numel(), n)  # one set of buffers per size: a model's fragments differ in size
+        if key not in self._encoded:
             mean = EncodedMean(message_codec, tensor.numel(), n)
             codec, device = mean.codec, tensor.device
-            self._encoded = (mean, {
+            self._encoded[key] = (mean, {
                 "padded": torch.zeros(mean.padded, device=device),
                 "send": codec.new_wire(mean.chunk, n, device=device),
                 "received": codec.new_wire(mean.chunk, n, device=device),
                 "gathered": codec.new_wire(mean.chunk, n, device=device),
                 "scratch": torch.empty(mean.chunk, device=device), "total": torch.empty(mean.chunk, device=device),
             })
-        mean, b = self._encoded
+        mean, b = self._encoded[key]
         mean.encode_chunks(tensor, b["padded"], b["send"])
         dist.all_to_all_single(b["received"], b["send"], group=self.group)
         own = b["send"][0]  # free once sent

@@ -327,6 +327,8 @@ class DiLoCoRounds:
                  bounds: Sequence[tuple[int, int]] | None = None, fragment_update_alpha: float = 0.0) -> None:
         self.round = DiLoCoRound(initial[0], outer_lr=outer_lr, outer_momentum=outer_momentum)
         self.message_codec = check_codec(message_codec)
+        if message_codec == "int2":
+            raise ValueError("message_codec='int2' has no zero level: use int4 or int8 for DiLoCo")
         self._means: dict[int, EncodedMean] = {}  # by (live count, size)
         self.clocks = clocks
         self.points = points
@@ -362,6 +364,8 @@ class DiLoCoRounds:
             quantized = self.message_codec != "float32"
             size = codec_bytes_per_element(self.message_codec, delta.shape[1]) if quantized else None
             end = self.clocks.all_reduce_posted(live, size, delta.shape[1] / flat.shape[1])
+            if quantized:  # the encoded all-reduce blocks: nothing hides under compute
+                self.clocks.wait_until(live, end)
             self._in_flight[leaving] = (self._mean(delta, index), list(live), end)
         if landing is not None:
             self._land(flat, landing)

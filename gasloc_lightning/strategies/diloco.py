@@ -46,7 +46,8 @@ class DiLoCoStrategy(LocalStepsStrategy):
             (:class:`~gasloc_lightning.algorithm.round.EncodedMean`); every worker gets the same mean.
         fragments: F, fragments synced in turn (Streaming DiLoCo); 1: plain DiLoCo.
         fragment_sync_delay: tau, inner steps between a fragment's pseudo-gradient leaving and its outer step
-            landing (the all-reduce overlaps them); at most the gap between two fragments minus one.
+            landing (a float32 all-reduce overlaps them; a quantized one blocks when it leaves); at most the gap
+            between two fragments minus one.
         fragment_update_alpha: alpha in [0, 1], the live share when a fragment lands (0: take the global value).
         overlap: ``fragment_sync_delay=1``: each all-reduce runs under one step of compute (leave
             ``fragment_sync_delay`` 0; set it instead for a longer delay).
@@ -70,6 +71,9 @@ class DiLoCoStrategy(LocalStepsStrategy):
     ) -> None:
         validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
         check_codec(message_codec)
+        if message_codec == "int2":
+            raise ValueError("message_codec='int2' has no zero level (0 decodes to +scale/2): a quantized mean of "
+                             "pseudo-gradients would move every parameter that did not move. Use int4 or int8.")
         for name, value in (("fragments", fragments), ("fragment_sync_delay", fragment_sync_delay)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "fragments"):
                 raise ValueError(f"{name} must be an int >= {int(name == 'fragments')}, got {value!r}")
@@ -115,6 +119,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
         super().check_configuration(world_size)
         if not self.streamed:
             return
+        if self.ranks_per_worker > 1:
+            raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap with ranks_per_worker > 1 "
+                             "are not supported yet (the fragment all-reduce would run under the worker's DDP "
+                             "all-reduces): use ranks_per_worker=1")
         if len({self._schedule.inner_steps(rank) for rank in range(world_size)}) > 1:
             raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap need one inner_steps "
                              "for every worker (streamed rounds stay aligned)")
@@ -156,15 +164,17 @@ class DiLoCoStrategy(LocalStepsStrategy):
         delta = self._streaming.prepare(fragment, params)
         share = delta.numel() / params.numel()
         end, work = None, None
+        quantized = self._message_codec != "float32"
         if self._round_clock is not None:
-            size = None if self._message_codec == "float32" else codec_bytes_per_element(self._message_codec,
-                                                                                         delta.numel())
+            size = codec_bytes_per_element(self._message_codec, delta.numel()) if quantized else None
             end = self._round_clock.on_all_reduce_posted(element_size=size, fraction=share)
+            if quantized:  # the encoded all-reduce blocks: nothing hides under compute
+                self._round_clock.wait_until(end)
         if self.world_size > 1:
-            if self._message_codec == "float32":
-                work = self._transport.post_all_reduce_mean(delta)
-            else:
+            if quantized:
                 self._transport.all_reduce_mean_encoded(delta, self._message_codec)
+            else:
+                work = self._transport.post_all_reduce_mean(delta)
         self._in_flight[fragment] = (delta, work, end)
 
     def _land_fragment(self, fragment: int) -> None:

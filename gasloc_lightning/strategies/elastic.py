@@ -273,6 +273,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._round = GossipRound(
             self.layout.read(), self.layout.num_parameter_elements, outer_lr=self._outer_lr,
             outer_momentum=self.outer_momentum, outer_form=self._outer_form,
+            fused=False,  # the elastic round checks the point before its message, and a joiner must not compile late
         )
         self._pending = self._completed = None
 

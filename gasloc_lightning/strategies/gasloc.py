@@ -183,14 +183,13 @@ class GASLoCStrategy(LocalStepsStrategy):
         """Resolve gamma for ``world_size`` and refuse unstable or impossible configurations."""
         super().check_configuration(world_size)
         world_size //= self.ranks_per_worker  # the graph connects workers
-        if self._error_feedback and world_size // self.ranks_per_worker > 1 \
-                and self._topology.schedule_period(world_size // self.ranks_per_worker) is None:
+        if self._error_feedback and world_size > 1 and self._topology.schedule_period(world_size) is None:
             raise ValueError(
                 f"error_feedback=True needs edges that repeat, and topology {self._topology.name!r} draws random "
                 "partners: use ring, torus or exponential, or turn error_feedback off (see docs/algorithm.md)"
             )
         if self._fragments is not None:
-            if len({self._schedule.inner_steps(rank) for rank in range(world_size)}) > 1:
+            if len({self._schedule.inner_steps(rank) for rank in range(world_size * self.ranks_per_worker)}) > 1:
                 raise ValueError("fragments need one inner_steps for every worker (streamed rounds stay aligned)")
             if self.ranks_per_worker > 1:
                 raise ValueError("fragments with ranks_per_worker > 1 are not supported yet: use ranks_per_worker=1")
@@ -267,7 +266,10 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.layout.read(), [p.numel() for p in self.layout.parameters], self.layout.num_parameter_elements,
             outer_lr=self._outer_lr, outer_momentum=self.outer_momentum, outer_form=self._outer_form,
             message_codec=self._message_codec, error_feedback=self._error_feedback,
+            fused=False if self._topology.uses_all_reduce else None,
         )
+        if any(round_.fused for round_ in self._fragments.rounds):
+            fused_kernels.warm_up(self.root_device)  # compile now, not while the first fragment's peers wait
 
     # ------------------------------------------------------------------ fragment gossip (streamed rounds)
     @override
@@ -291,8 +293,10 @@ class GASLoCStrategy(LocalStepsStrategy):
         fragments = self._fragments
         u = fragments.sent[fragment].copy_(self.layout.read()[fragments.slices[fragment]])
         if not all_finite(u):
-            raise FloatingPointError(f"{self._where()}: fragment {fragment} is not finite (streamed rounds have no "
-                                     "skip_round recovery yet; lower the learning rate)")
+            raise FloatingPointError(f"{self._where()}: fragment {fragment} is not finite. Streamed rounds "
+                                     "(fragments > 1 or fragment_sync_delay > 0) cannot discard a round, so "
+                                     "on_nonfinite='skip_round' does not apply to them: lower the learning rate, or "
+                                     "use fragments=1 to keep that recovery")
         round_ = fragments.rounds[fragment]
         share = u.numel() / self.layout.numel
         if self._topology.uses_all_reduce:
