@@ -38,8 +38,8 @@ def _rank(rank: int, world_size: int, port: int, codec: str, queue) -> None:
 
 
 @pytest.mark.parametrize("codec,world_size", [("int8", 3), ("int4", 2), ("bfloat16", 3)])
-def test_every_rank_gets_the_simulators_bits(codec, world_size, fresh_port):
-    context = mp.get_context("spawn")
+def test_every_rank_gets_the_simulators_bits(codec, world_size, fresh_port, one_torch_thread):
+    context = mp.get_context("fork")  # one torch thread in this process: a forked rank starts in milliseconds
     queue = context.Queue()
     port = fresh_port()
     processes = [context.Process(target=_rank, args=(r, world_size, port, codec, queue)) for r in range(world_size)]
@@ -48,10 +48,11 @@ def test_every_rank_gets_the_simulators_bits(codec, world_size, fresh_port):
     try:
         results = sorted(queue.get(timeout=90) for _ in range(world_size))
     finally:
-        for process in processes:
+        for process in processes:  # stopped by pid, on success and on failure
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
+                process.join()
     expected = EncodedMean(codec, NUMEL, world_size).mean(vectors(world_size))
     exact = vectors(world_size).mean(dim=0)
     chunk_wire = EncodedMean(codec, NUMEL, world_size).chunk_wire
