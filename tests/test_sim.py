@@ -217,3 +217,41 @@ def test_chunked_steps_match_one_pass_over_every_replica():
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(stacks[0].flat, stacks[1].flat, rtol=1e-5, atol=1e-6)
     assert not torch.equal(stacks[1].flat[0], stacks[1].flat[6])  # each replica took its own steps
+
+
+def _poison_worker(simulator, worker: int, steps: set[int]) -> None:
+    """After the chosen steps, ``worker``'s parameters and first moments go NaN (as a NaN loss would leave them)."""
+    train_step = simulator.replicas.train_step
+
+    def poisoned(x, y, step_in_round):
+        losses = train_step(x, y, step_in_round)
+        if simulator.step in steps:
+            simulator.replicas.flat[worker].fill_(float("nan"))
+            for state in simulator.replicas.optimizer.state.values():
+                if "exp_avg" in state:
+                    state["exp_avg"][worker].fill_(float("nan"))
+        return losses
+
+    simulator.replicas.train_step = poisoned
+
+
+@pytest.mark.parametrize("strategy", ["gasloc", "diloco"])
+def test_a_non_finite_worker_discards_its_round_as_the_strategy_does(corpus, tmp_path, strategy):
+    """skip_round (the default): the worker's point goes back to its round start, its optimizer state is
+    repaired, it still takes part, and the run ends finite; raise stops at once; too many skips stop too."""
+    simulator, _ = sim_app.build(_compose(corpus, tmp_path, [f"strategy={strategy}", "trainer.max_steps=6"]))
+    _poison_worker(simulator, worker=1, steps={3})
+    simulator.train()
+    assert simulator.skipped_rounds == [0, 1, 0, 0]
+    assert torch.isfinite(simulator.replicas.flat).all()
+    assert all(torch.isfinite(value).all() for state in simulator.replicas.optimizer.state.values()
+               for value in state.values())
+    raising, _ = sim_app.build(_compose(corpus, tmp_path, [f"strategy={strategy}", "strategy.on_nonfinite=raise"]))
+    _poison_worker(raising, worker=1, steps={1})
+    with pytest.raises(FloatingPointError, match="on_nonfinite='raise'"):
+        raising.train()
+    stubborn, _ = sim_app.build(_compose(corpus, tmp_path, [f"strategy={strategy}", "strategy.max_skipped_rounds=1",
+                                                            "trainer.max_steps=6"]))
+    _poison_worker(stubborn, worker=2, steps={2, 4})
+    with pytest.raises(FloatingPointError, match="consecutive rounds"):
+        stubborn.train()

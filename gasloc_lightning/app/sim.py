@@ -207,7 +207,8 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
                           max_steps=cfg.trainer.max_steps, val_check_interval=cfg.trainer.val_check_interval,
                           consensus_every=strategy.consensus_every, churn=churn,
                           progress_every=cfg.sim.progress_every, attention_math=cfg.sim.attention_math,
-                          metrics=metrics)
+                          metrics=metrics, on_nonfinite=strategy.on_nonfinite,
+                          max_skipped_rounds=strategy.max_skipped_rounds)
     parts = {"strategy": record, "model": model, "estimated_bytes": estimated, "churn": churn}
     return simulator, parts
 

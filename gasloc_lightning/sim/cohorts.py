@@ -101,5 +101,9 @@ class CohortReplicas:
                 if isinstance(value, Tensor) and value.dim() > 0:
                     destination_state[key][j].copy_(value[i])
 
+    def zero_nonfinite_state(self, worker: int) -> None:
+        stack, i = self._locate(worker)
+        stack.zero_nonfinite_state(i)
+
     def record(self) -> dict[str, Any]:
         return {"cohorts": {steps: len(index) for steps, index, _ in self.cohorts}}

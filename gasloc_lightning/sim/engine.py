@@ -25,6 +25,7 @@ from gasloc_lightning.sim.churn import ChurnSchedule
 from gasloc_lightning.sim.cohorts import CohortReplicas
 from gasloc_lightning.sim.data import ShardedBatches
 from gasloc_lightning.sim.replicas import StackedReplicas
+from gasloc_lightning.strategies.guards import NonFiniteGuard
 from gasloc_lightning.sim.rounds import DiLoCoRounds, GossipRounds, WorkerClocks
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class Simulator:
         metrics: receives ``(step, {name: value})`` rows, as a Lightning logger would.
         attention_math: compute attention with the math kernel, which has a batching rule
             (the fused CPU kernel falls back to a loop over replicas under vmap).
+        on_nonfinite, max_skipped_rounds: what a worker whose point is not finite at a round's end does, as the
+            strategy (:class:`~gasloc_lightning.strategies.guards.NonFiniteGuard`, one per worker): discard that
+            round's local steps (its point back to the round start, non-finite optimizer state zeroed) and still
+            take part, or raise.
     """
 
     def __init__(
@@ -66,6 +71,8 @@ class Simulator:
         progress_every: int = 10,
         metrics: MetricsSink | None = None,
         attention_math: bool = True,
+        on_nonfinite: str = "skip_round",
+        max_skipped_rounds: int = 3,
     ) -> None:
         for name, value in (("inner_steps (H)", inner_steps), ("max_steps", max_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -80,6 +87,7 @@ class Simulator:
         self._metrics = metrics or (lambda step, row: None)
         self._attention = (lambda: sdpa_kernel(SDPBackend.MATH)) if attention_math else nullcontext
         self.workers = replicas.workers
+        self.guards = [NonFiniteGuard(on_nonfinite, max_skipped_rounds) for _ in range(self.workers)]
         self.round_index = 0
         self.step = 0
         self.consensus_distance: float | None = None
@@ -90,6 +98,11 @@ class Simulator:
     @property
     def live(self) -> list[int]:
         return list(self._live)
+
+    @property
+    def skipped_rounds(self) -> list[int]:
+        """Rounds each worker discarded for a non-finite point."""
+        return [guard.skipped_rounds for guard in self.guards]
 
     @property
     def bytes_sent_mean(self) -> float:
@@ -152,9 +165,11 @@ class Simulator:
     def _end_round(self) -> None:
         flat = self.replicas.gather()
         live = self._live
-        if not bool(torch.isfinite(flat[torch.as_tensor(live)]).all()):
-            bad = [i for i in live if not bool(torch.isfinite(flat[i]).all())]
-            raise FloatingPointError(f"round {self.round_index}: workers {bad[:8]} have non-finite parameters")
+        if getattr(self.rounds, "points", None) is None:  # streamed rounds check each fragment instead
+            for i in live:
+                if not self.guards[i].local_point_is_usable(flat[i], f"worker {i}, round {self.round_index}"):
+                    self.rounds.restore_round_start(flat, i)
+                    self.replicas.zero_nonfinite_state(i)
         self.rounds.communicate(flat, self.round_index, live)
         self.replicas.scatter()
         self.round_index += 1

@@ -190,6 +190,14 @@ class StackedReplicas:
                 if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.workers:
                     value[destination].copy_(value[source])
 
+    @torch.no_grad()
+    def zero_nonfinite_state(self, worker: int) -> None:
+        """Zero the non-finite entries of ``worker``'s optimizer state (a discarded round, as the strategy does)."""
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.workers:
+                    torch.nan_to_num_(value[worker], nan=0.0, posinf=0.0, neginf=0.0)
+
     def state_bytes(self) -> int:
         """Bytes of the parameters, gradients and optimizer state held now."""
         total = self.flat.numel() * 4 * 2

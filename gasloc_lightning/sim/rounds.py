@@ -301,6 +301,11 @@ class GossipRounds:
         self.round.flush(flat)
 
     @torch.no_grad()
+    def restore_round_start(self, flat: Tensor, worker: int) -> None:
+        """A discarded round: ``worker``'s point goes back to its round start."""
+        flat[worker].copy_(self.outer.round_start[worker])
+
+    @torch.no_grad()
     def join(self, worker: int, source: int) -> None:
         """A joining worker takes its source peer's outer state (round start and anchor)."""
         self.round.join(worker, source)
@@ -376,6 +381,8 @@ class DiLoCoRounds:
         self.clocks.wait_until(live, end)
         index = torch.as_tensor(live)
         rows = flat.index_select(0, index)
+        if not (torch.isfinite(mean).all() and torch.isfinite(rows).all()):
+            raise FloatingPointError(f"fragment {fragment} is not finite (streamed rounds cannot discard a round)")
         self.streaming.perform(fragment, mean, rows)
         flat[index] = rows
 
@@ -395,6 +402,11 @@ class DiLoCoRounds:
         """End of training: a fragment that left lands now."""
         for fragment in sorted(self._in_flight):
             self._land(flat, fragment)
+
+    @torch.no_grad()
+    def restore_round_start(self, flat: Tensor, worker: int) -> None:
+        """A discarded round: ``worker``'s point goes back to the shared round start."""
+        flat[worker].copy_(self.round.round_start)
 
     def join(self, worker: int, source: int) -> None:
         """The round start is shared: a joining worker needs only the live point (copied by the caller)."""
