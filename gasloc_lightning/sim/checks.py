@@ -1,8 +1,7 @@
 """What the simulator refuses before any step: graphs without n, unstable gamma, runs that cannot fit.
 
-The topology checks are the ones ``GASLoCStrategy.check_configuration`` makes for a world size (the
-default gamma of the topology, and a consensus rate below 1), asked of the same
-:class:`~gasloc_lightning.topology.Topology` methods.
+The topology checks are the strategy's own: :meth:`~gasloc_lightning.topology.Topology.resolve_momentum` (the
+topology's default gamma, and a consensus rate below 1), which ``GASLoCStrategy.check_configuration`` calls too.
 """
 
 from __future__ import annotations
@@ -25,15 +24,9 @@ def resolve_outer_momentum(
         ValueError: the topology cannot have ``workers`` workers, or gamma does not contract.
     """
     try:
-        topology.check_world_size(workers)
+        return topology.resolve_momentum(workers, requested, outer_form, overlap, delayed_weight=delayed_weight)
     except TopologyError as error:
         raise ValueError(f"sim.workers={workers} has no valid {topology.name!r} topology: {error}") from error
-    delayed = {"overlap": True, "delayed_weight": delayed_weight} if overlap else {}
-    if workers <= 1:
-        return 0.0 if requested is None else float(requested)
-    gamma = topology.default_outer_momentum(workers, outer_form, **delayed) if requested is None else requested
-    if topology.name == "local" or topology.uses_all_reduce:
-        return float(gamma)
     rate = topology.consensus_rate(workers, gamma, outer_form, **delayed)
     if rate >= 1.0:
         limit = topology.max_stable_momentum(workers, outer_form, **delayed)

@@ -199,33 +199,22 @@ class GASLoCStrategy(LocalStepsStrategy):
                 "overlap=True and message_codec other than 'float32' apply to point-to-point gossip; "
                 "topology='complete' is an all-reduce (use a sparse topology, or DiLoCoStrategy)"
             )
-        if world_size <= 1:
-            self._outer_momentum = 0.0 if self._requested_momentum is None else self._requested_momentum
-            return
-        self._topology.check_world_size(world_size)
-        if self._requested_momentum is None:
-            delayed = self._delayed_form()
-            self._outer_momentum = self._topology.default_outer_momentum(world_size, self._outer_form, **delayed)
-        if self._topology.name == "local":
-            return
-        self._check_stability(world_size)
+        self._outer_momentum = self._topology.resolve_momentum(world_size, self._requested_momentum, self._outer_form,
+                                                               **self._delayed_form())
+        if world_size > 1 and self._topology.name != "local":
+            self._warn_about_margins(world_size)
 
     def _delayed_form(self) -> dict[str, Any]:
         """Keyword arguments of the topology's stability queries for the delayed (overlapped) form."""
         return {"overlap": True, "delayed_weight": self._delayed_weight} if self._overlap else {}
 
     def _check_stability(self, world_size: int) -> None:
-        gamma, form = self._outer_momentum, self._outer_form
-        delayed = self._delayed_form()
-        rate = self._topology.consensus_rate(world_size, gamma, form, **delayed)
-        if rate >= 1.0:
-            limit = self._topology.max_stable_momentum(world_size, form, **delayed)
-            advice = "no gamma is stable" if limit is None else f"the largest stable gamma is about {limit:.3f}"
-            raise ValueError(
-                f"outer_momentum (gamma) = {gamma} is unstable for topology {self._topology.name!r} with "
-                f"{world_size} workers, outer_form={form!r}, overlap={self._overlap} (consensus rate {rate:.4f} "
-                f">= 1): {advice}"
-            )
+        """Refuse gamma if it does not contract with ``world_size`` workers; warn where the margin is thin."""
+        self._topology.check_momentum(world_size, self._outer_momentum, self._outer_form, **self._delayed_form())
+        self._warn_about_margins(world_size)
+
+    def _warn_about_margins(self, world_size: int) -> None:
+        gamma = self._outer_momentum
         if not type(self._topology).__module__.startswith("gasloc_lightning.topology.") and self._topology.time_varying:
             if gamma > SWITCHING_SAFE_MOMENTUM:
                 rank_zero_warn(

@@ -279,6 +279,38 @@ class Topology(abc.ABC):
         limit = self.max_stable_momentum(world_size, form, **delayed)
         return 0.0 if limit is None else math.floor(_DEFAULT_MOMENTUM * limit * 1000.0) / 1000.0
 
+    def check_momentum(self, world_size: int, gamma: float, form: UpdateForm = "anchored", overlap: bool = False,
+                       *, delayed_weight: float = 1.0) -> None:
+        """Refuse a gamma whose consensus rate is not below 1 with ``world_size`` workers (``ValueError`` naming the
+        largest stable gamma)."""
+        delayed = {"overlap": overlap, "delayed_weight": delayed_weight}
+        rate = self.consensus_rate(world_size, gamma, form, **delayed)
+        if rate >= 1.0:
+            limit = self.max_stable_momentum(world_size, form, **delayed)
+            advice = "no gamma is stable" if limit is None else f"the largest stable gamma is about {limit:.3f}"
+            raise ValueError(
+                f"outer_momentum (gamma) = {gamma} is unstable for topology {self.name!r} with {world_size} workers, "
+                f"outer_form={form!r}, overlap={overlap} (consensus rate {rate:.4f} >= 1): {advice}"
+            )
+
+    def resolve_momentum(self, world_size: int, requested: float | None, form: UpdateForm = "anchored",
+                         overlap: bool = False, *, delayed_weight: float = 1.0) -> float:
+        """gamma for ``world_size`` workers: ``requested``, or :meth:`default_outer_momentum`; refused when it does
+        not contract (:meth:`check_momentum`). The one check every engine makes (strategies and simulator).
+
+        Raises:
+            TopologyError: the topology cannot have ``world_size`` workers.
+            ValueError: gamma is unstable.
+        """
+        if world_size <= 1:
+            return 0.0 if requested is None else float(requested)
+        self.check_world_size(world_size)
+        delayed = {"overlap": overlap, "delayed_weight": delayed_weight}
+        gamma = self.default_outer_momentum(world_size, form, **delayed) if requested is None else float(requested)
+        if self.name != "local" and not self.uses_all_reduce:
+            self.check_momentum(world_size, gamma, form, **delayed)
+        return gamma
+
     def _memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
         if key not in self._cache:
             self._cache[key] = compute()
