@@ -27,15 +27,6 @@ def resolve_outer_momentum(
         return topology.resolve_momentum(workers, requested, outer_form, overlap, delayed_weight=delayed_weight)
     except TopologyError as error:
         raise ValueError(f"sim.workers={workers} has no valid {topology.name!r} topology: {error}") from error
-    rate = topology.consensus_rate(workers, gamma, outer_form, **delayed)
-    if rate >= 1.0:
-        limit = topology.max_stable_momentum(workers, outer_form, **delayed)
-        advice = "no gamma is stable" if limit is None else f"the largest stable gamma is about {limit:.3f}"
-        raise ValueError(
-            f"outer_momentum (gamma) = {gamma} is unstable for topology {topology.name!r} with {workers} workers, "
-            f"outer_form={outer_form!r}, overlap={overlap} (consensus rate {rate:.4f} >= 1): {advice}"
-        )
-    return float(gamma)
 
 
 def estimate_bytes(*, workers: int, parameters: int, batch_size: int, block_size: int, n_layer: int,
