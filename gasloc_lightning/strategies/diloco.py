@@ -136,9 +136,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
     @override
     def _init_outer_state(self) -> None:
         params, _ = self.layout.split(self.layout.read())
-        self._round = DiLoCoRound(params, outer_lr=self._outer_lr, outer_momentum=self._outer_momentum)
         self._in_flight = {}
-        if self.streamed:
+        if not self.streamed:
+            self._round = DiLoCoRound(params, outer_lr=self._outer_lr, outer_momentum=self._outer_momentum)
+        else:  # the fragments' outer states replace the whole model's
             if self._points is None:
                 self.check_configuration(self.world_size)
             bounds = fragment_bounds([p.numel() for p in self.layout.parameters], self._fragments)
@@ -195,7 +196,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
     @override
     @torch.no_grad()
     def _communicate(self) -> None:
-        assert self._round is not None and self._transport is not None
+        assert self._transport is not None
         if self._streaming is not None:  # the fragments synced during the round; buffers are averaged now
             _, buffers = self.layout.split(self.layout.read())
             if self.world_size > 1 and buffers.numel():
