@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import logging
 import math
@@ -287,6 +288,10 @@ def compare(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike, plot
     root = Path(os.path.commonpath([run["run_dir"] for run in runs]))
     root = root if len(runs) > 1 else root.parent
     table = markdown_table(runs, root)
+    if plots and importlib.util.find_spec("matplotlib") is None:  # a base dependency; absent after --no-deps
+        print("gasloc-compare: matplotlib is not installed, so no plots were drawn (pip install matplotlib)",
+              file=sys.stderr)
+        plots = False
     written = plot_curves(runs, out) if plots else []
     figures = "".join(f"\n![{p.stem}]({p.name})" for p in written)
     table_path = out / TABLE_FILE
