@@ -66,6 +66,7 @@ class LocalStepsSchema:
     on_nonfinite: str = "skip_round"
     max_skipped_rounds: int = 3
     ranks_per_worker: int = 1
+    intra_worker: str = "ddp"  # "fsdp": the worker's ranks shard it with FSDP2; shard r gossips with shard r
     worker_ddp_kwargs: Optional[Dict[str, Any]] = None  # DDP's arguments inside a worker of several ranks
     trust_checkpoint_code: bool = False  # load checkpoint files a safe load refuses (only files you trust)
     network: Any = None  # a NetworkModel node, for the simulated clock
@@ -243,6 +244,21 @@ class TrainSchema:
     cache_dir: str = "~/.cache/gasloc-lightning"
     output_dir: str = MISSING
     ckpt_path: Optional[str] = None  # resume: Trainer.fit(ckpt_path=...), a checkpoint directory or file
+
+
+@dataclass
+class NetlabSchema:
+    """The ``netlab`` node of ``gasloc-netlab`` (documented in ``conf/netlab/default.yaml``)."""
+
+    mode: str = "elastic"
+    bandwidth_scale: float = 0.01
+    faults: List[str] = field(default_factory=list)
+    flap_period_s: float = 1.0
+    lighthouse_port: int = 29510
+    clock_bytes: Optional[int] = None
+    clock_repeats: int = 3
+    train_port: int = 29500
+    timeout_s: float = 1800.0
 
 
 _SCHEMAS: dict[tuple[str, str], type] = {

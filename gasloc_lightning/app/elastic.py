@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -256,6 +256,20 @@ class WorkerRecord:
         return self.output_dir / LEAVE_CHECKPOINT
 
 
+class ProcessPlacement(Protocol):
+    """Where the launcher's processes run, when not all on this host's own network (``gasloc-netlab`` puts each in
+    its site's network namespace). Without one, everything runs here and listens on ``elastic.bind``."""
+
+    def lighthouse_command(self, command: list[str]) -> list[str]:
+        """The lighthouse's command line, placed (e.g. wrapped in ``ip netns exec``; it must keep its pid)."""
+
+    def worker_command(self, command: list[str], worker: int) -> list[str]:
+        """Worker ``worker``'s command line, placed (its own bind/advertise overrides appended)."""
+
+    def reachable(self, address: str) -> bool:
+        """Whether ``HOST:PORT`` (the started lighthouse) accepts connections where the workers run."""
+
+
 class ElasticInterrupted(RuntimeError):
     """Ctrl-C or SIGTERM stopped ``gasloc-elastic``; the workers left (see the printed checkpoints)."""
 
@@ -270,9 +284,11 @@ class ElasticRun:
     Args:
         cfg: the composed ``gasloc-elastic`` config.
         on_poll: called with this run at every poll of :meth:`watch` (e.g. to sample :meth:`live_pids`).
+        placement: where the lighthouse and the workers run (default: here, on ``elastic.bind``).
     """
 
-    def __init__(self, cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = None) -> None:
+    def __init__(self, cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = None,
+                 placement: ProcessPlacement | None = None) -> None:
         self.cfg = cfg
         self.elastic = cfg.elastic
         self.run_dir = Path(cfg.output_dir)
@@ -286,6 +302,7 @@ class ElasticRun:
         self._first_finish: float | None = None  # when the first worker finished the run
         self._started = time.monotonic()
         self._on_poll = on_poll
+        self.placement = placement
         self._secret_given = bool(os.environ.get(SECRET_ENV))
         self._secret = os.environ.get(SECRET_ENV) or new_secret()  # only ever in the workers' environment
         self.interrupted = False
@@ -352,6 +369,8 @@ class ElasticRun:
         port = self.elastic.lighthouse_port or free_port(bind)
         command = lighthouse_command(port, self.elastic.min_workers, self.elastic.join_timeout_ms,
                                      self.elastic.heartbeat_timeout_ms, bind=bind)
+        if self.placement is not None:
+            command = self.placement.lighthouse_command(command)
         env = {key: value for key, value in os.environ.items() if key != SECRET_ENV}  # it has no use for it
         # The parent-death signal: a SIGKILLed launcher takes its lighthouse with it. It fires when the thread that
         # started the child ends, and this thread outlives the lighthouse (stop() ends it first).
@@ -361,7 +380,9 @@ class ElasticRun:
         self.address = self.endpoint.address(port)
         local = host_port(_local_address(self.endpoint), port)
         deadline = time.monotonic() + 10.0
-        while not lighthouse_reachable(local, timeout=0.5):
+        reachable = functools.partial(lighthouse_reachable, timeout=0.5) if self.placement is None \
+            else self.placement.reachable
+        while not reachable(local):
             if self.lighthouse.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the lighthouse did not start on {host_port(bind, port)} "
                                    f"(see {self.run_dir / 'lighthouse.log'})")
@@ -397,6 +418,8 @@ class ElasticRun:
             command.append(f"strategy.first_quorum_delay={self.elastic.first_quorum_delay}")
             if record.resume_from is not None:
                 command.append(f"ckpt_path={record.resume_from}")
+        if self.placement is not None:
+            command = self.placement.worker_command(command, record.worker)
         process = _start_process(command, record.output_dir / "worker.log", env)
         self.started_pids.append(process.pid)
         if held:
@@ -739,12 +762,14 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated(f"signal {signum}")
 
 
-def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = None) -> dict[str, Any]:
+def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = None,
+                placement: ProcessPlacement | None = None) -> dict[str, Any]:
     """Run a composed ``gasloc-elastic`` config to the end; returns (and writes) the per-worker summary.
 
     Args:
         cfg: the composed config (``elastic/app``).
         on_poll: called with the :class:`ElasticRun` at every poll while the workers run.
+        placement: where the lighthouse and the workers run (default: here; see :class:`ProcessPlacement`).
 
     Raises:
         ElasticInterrupted: Ctrl-C or SIGTERM (in the main thread): the workers left, each with its checkpoint.
@@ -753,7 +778,7 @@ def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = 
     check_choices(cfg)
     check_budget(cfg.trainer)
     check_elastic(cfg)
-    run = ElasticRun(cfg, on_poll=on_poll)
+    run = ElasticRun(cfg, on_poll=on_poll, placement=placement)
     signum: int | None = None
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
     try:

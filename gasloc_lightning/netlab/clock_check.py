@@ -1,0 +1,125 @@
+"""The network clock checked against the lab: a round's communication, predicted and measured.
+
+For a preset with n ranks, each rank sits in its cluster's site and the same bytes cross the shaped links:
+
+- DiLoCo's round, one all-reduce of the message: predicted by the model's ``all_reduce_time`` (the cheaper of a
+  ring and a hierarchical all-reduce) and, next to it, its ``ring_all_reduce_time``;
+- GASLoC's round, one gossip exchange with the round's peers: predicted by ``pairwise_time`` with the model's
+  ``concurrent_flows``, the slowest pair.
+
+The lab's links run at ``bandwidth_scale`` of the model's, so the prediction is the model's time for
+``nbytes / bandwidth_scale`` bytes. The lab has no latency (no ``netem`` here): the model's latency share
+(its time for 0 bytes) is reported apart, and ``predicted_bw`` is the prediction without it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gasloc_lightning.netlab.lab import Lab
+from gasloc_lightning.network import NetworkModel
+from gasloc_lightning.network.clock import round_pairs
+from gasloc_lightning.strategies.launcher import terminate
+
+_START_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ClockRow:
+    """One pattern on one preset: the model's seconds (with and without latency) and the lab's (median)."""
+
+    preset: str
+    pattern: str
+    nbytes: int
+    predicted: float
+    predicted_bw: float
+    predicted_ring_bw: float | None
+    measured: float
+    repeats: list[float]
+
+    @property
+    def error(self) -> float:
+        """measured / predicted_bw - 1."""
+        return self.measured / self.predicted_bw - 1.0
+
+
+def busiest_round(network: NetworkModel, topology: object, rounds: int = 20) -> tuple[int, list[tuple[int, int]]]:
+    """The round among the first ``rounds`` whose exchanges cross sites the most (ties: the earliest)."""
+    best = max(range(rounds), key=lambda t: (sum(network.cluster_of(i) != network.cluster_of(j)
+                                                 for i, j in round_pairs(topology, network.world_size, t)), -t))
+    return best, round_pairs(topology, network.world_size, best)
+
+
+def predict_allreduce(network: NetworkModel, nbytes: int, scale: float) -> tuple[float, float, float]:
+    """(model, model without latency, ring without latency) seconds of one all-reduce on the lab's links."""
+    full = network.all_reduce_time(nbytes / scale)
+    ring = network.ring_all_reduce_time(nbytes / scale) - network.ring_all_reduce_time(0)
+    return full, full - network.all_reduce_time(0), ring
+
+
+def predict_gossip(network: NetworkModel, pairs: list[tuple[int, int]], nbytes: int, scale: float) -> tuple[float, float]:
+    """(model, model without latency) seconds of one gossip round of ``pairs`` (its slowest exchange)."""
+    flows = network.concurrent_flows(pairs)
+    full = max(network.pairwise_time(i, j, nbytes / scale, flows[(i, j)]) for i, j in pairs)
+    bandwidth = max(network.pairwise_time(i, j, nbytes / scale, flows[(i, j)]) - network.link(i, j)[1]
+                    for i, j in pairs)
+    return full, bandwidth
+
+
+def measure(lab: Lab, *, pattern: str, nbytes: int, pairs: list[tuple[int, int]], repeats: int,
+            folder: Path, timeout_s: float = 300.0) -> list[float]:
+    """Run the probe's ``pattern`` on every rank of ``lab.plan`` (one rank per worker of the plan); its seconds.
+
+    Every process it starts is stopped by pid before it returns, whatever happens.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    plan, world = lab.plan, len(lab.plan.worker_sites)
+    port_file, out = folder / f"{pattern}.port", folder / f"{pattern}.json"
+    port_file.unlink(missing_ok=True)
+    common = ["--world", str(world), "--bytes", str(nbytes), "--pattern", pattern, "--repeats", str(repeats),
+              "--pairs", ",".join(f"{i}-{j}" for i, j in pairs), "--timeout", str(timeout_s)]
+    processes: list[subprocess.Popen] = []
+    try:
+        processes.append(_start(lab, 0, [*common, "--port-file", str(port_file), "--out", str(out)], folder))
+        port = _wait_for_port(port_file, processes[0])
+        for rank in range(1, world):
+            master = f"{plan.address_of_worker(0)}:{port}"
+            processes.append(_start(lab, rank, [*common, "--master", master], folder))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        codes = [p.poll() for p in processes]
+        if codes != [0] * world:
+            raise RuntimeError(f"clock probe {pattern}: exit codes {codes} (see {folder}/rank_*.log)")
+        return json.loads(out.read_text())["seconds"]
+    finally:
+        terminate(processes, 5.0)
+
+
+def _start(lab: Lab, rank: int, args: list[str], folder: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "gasloc_lightning.netlab.probe", "--rank", str(rank),
+               "--bind", lab.plan.address_of_worker(rank), *args]
+    with open(folder / f"rank_{rank}.log", "ab") as log_file:
+        return subprocess.Popen(lab.wrap(command, lab.plan.worker_sites[rank]), stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for_port(port_file: Path, rank0: subprocess.Popen) -> int:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return int(port_file.read_text())
+        if rank0.poll() is not None:
+            raise RuntimeError(f"clock probe rank 0 exited with {rank0.returncode} before listening")
+        time.sleep(0.05)
+    raise TimeoutError(f"clock probe rank 0 did not listen within {_START_TIMEOUT_S:g}s")
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)

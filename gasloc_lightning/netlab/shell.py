@@ -1,0 +1,45 @@
+"""The one place the lab runs ``ip`` and ``tc``: argument lists (no shell), checked exit codes, clear errors.
+
+Why ``ip``/``tc`` and not pyroute2: the lab's every action is one iproute2 command a user can read in the log
+and type by hand to inspect or undo it (``ip netns list``, ``tc -n NS qdisc show``); iproute2 is on every Linux
+machine that can run the lab at all (root, namespaces); ``ip netns exec`` is how the lab starts a process in a
+site, keeping its pid (it execs), so the launcher stops it by pid as usual; and the base install keeps no
+dependency that only the lab would use. The cost, a fork per command, is paid only while the lab is built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+
+log = logging.getLogger(__name__)
+
+
+class LabError(RuntimeError):
+    """The lab cannot be built or driven (not root, no iproute2, a command failed): one line, no traceback."""
+
+
+def check_can_build() -> None:
+    """Raise :class:`LabError` unless this process can make namespaces (root with ``ip`` and ``tc``)."""
+    if os.geteuid() != 0:
+        raise LabError("gasloc-netlab needs root: it creates network namespaces, veth links and tc shapers "
+                       "(run it as root, e.g. in a VM or container with CAP_NET_ADMIN and CAP_SYS_ADMIN)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise LabError(f"gasloc-netlab needs iproute2's `{tool}` on PATH")
+
+
+def run(*args: str, check: bool = True) -> str:
+    """Run one iproute2 command (``run("ip", "netns", "add", name)``); its stdout, or LabError with its stderr."""
+    log.debug("netlab: %s", " ".join(args))
+    result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and result.returncode != 0:
+        raise LabError(f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
+    return result.stdout
+
+
+def netns_names() -> list[str]:
+    """Every network namespace ``ip netns`` knows (named ones)."""
+    return [line.split()[0] for line in run("ip", "netns", "list").splitlines() if line.strip()]
