@@ -16,6 +16,13 @@ When every exchanged tensor is float32 on one device, the layout *binds* them: e
 parameters do). The optimizer keeps holding the same ``Parameter`` objects, and a round reads and
 writes the model in place, with no gather and no scatter copy. Otherwise (bfloat16-true
 parameters, say) the layout gathers into a float32 scratch vector and scatters back, casting.
+
+A module sharded with FSDP2 (``fully_shard``, parameters are ``DTensor``) is laid out by the shard
+this rank holds: the vector is ``[ local parameter shards | buffers ]``, 1/k of the parameters on
+each of a worker's k ranks. FSDP2 keeps the shards in storage of its own (it all-gathers from it), so
+such a layout never binds: it copies the local shards in and out, and after writing them it reshards
+every FSDP module, since a module that kept its parameters unsharded after a forward (FSDP2's root
+does, in evaluation) would otherwise run its next forward on the old values.
 """
 
 from __future__ import annotations
@@ -25,8 +32,16 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from gasloc_lightning.algorithm.outer import all_finite
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` this rank holds: a ``DTensor``'s local shard (FSDP2 updates it in place, so it is
+    the live storage), else the tensor's data."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor.data
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -61,19 +76,27 @@ class FlatLayout:
         if not self.parameters:
             raise ValueError("the model has no trainable parameters to exchange")
         self.buffers = exchanged_buffers(module)
-        self.num_parameter_elements = sum(p.numel() for p in self.parameters)
+        self.sharded = any(isinstance(p, DTensor) for p in self.parameters)
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self.num_parameter_elements = sum(local_tensor(p).numel() for p in self.parameters)
         self.num_buffer_elements = sum(b.numel() for b in self.buffers)
         self._tensors = self.parameters + self.buffers
-        self.device = self.parameters[0].device
+        self.device = local_tensor(self.parameters[0]).device
         self._signature = self._describe(module)
         self._flat = self.new_buffer()
-        self.bound = bind and all(t.dtype == torch.float32 and t.device == self.device for t in self._tensors)
+        self.bound = bind and not self.sharded and all(
+            t.dtype == torch.float32 and t.device == self.device for t in self._tensors)
         if self.bound:
             self._bind()
 
     @property
     def numel(self) -> int:
         return self.num_parameter_elements + self.num_buffer_elements
+
+    @property
+    def global_numel(self) -> int:
+        """Elements of the whole model's message (the sum over a worker's shards when sharded)."""
+        return sum(p.numel() for p in self.parameters) + self.num_buffer_elements
 
     def _describe(self, module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
         exchanged = {id(t) for t in self._tensors}
@@ -96,9 +119,13 @@ class FlatLayout:
     def _views(flat: Tensor, tensors: list[Tensor]) -> list[Tensor]:
         views, offset = [], 0
         for tensor in tensors:
+            tensor = local_tensor(tensor)
             views.append(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
         return views
+
+    def _data(self, tensors: list[Tensor]) -> list[Tensor]:
+        return [local_tensor(t) for t in tensors]
 
     @torch.no_grad()
     def _bind(self) -> None:
@@ -116,7 +143,7 @@ class FlatLayout:
         """The current point ``[ parameters | buffers ]``: the live vector when bound (no copy), else a
         float32 copy in a scratch vector that the next ``read`` overwrites."""
         if not self.bound:
-            torch._foreach_copy_(self._views(self._flat, self._tensors), [t.data for t in self._tensors])
+            torch._foreach_copy_(self._views(self._flat, self._tensors), self._data(self._tensors))
         return self._flat
 
     @torch.no_grad()
@@ -124,7 +151,7 @@ class FlatLayout:
         """Copy every exchanged live tensor into ``out`` (cast to float32)."""
         if self.bound:
             return out.copy_(self._flat)
-        torch._foreach_copy_(self._views(out, self._tensors), [t.data for t in self._tensors])
+        torch._foreach_copy_(self._views(out, self._tensors), self._data(self._tensors))
         return out
 
     @torch.no_grad()
@@ -157,7 +184,9 @@ class FlatLayout:
 
     def _copy_into(self, tensors: list[Tensor], flat: Tensor) -> None:
         if tensors:
-            torch._foreach_copy_([t.data for t in tensors], self._views(flat, tensors))
+            torch._foreach_copy_(self._data(tensors), self._views(flat, tensors))
+        for module in self._fsdp_modules:  # the next forward gathers the new shards
+            module.reshard()
 
     def split(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         """The parameter and buffer parts of a flat vector (views)."""

@@ -183,6 +183,10 @@ class GPT(nn.Module):
             x = block(x)  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
+    def shard_blocks(self) -> list[nn.Module]:
+        """The units FSDP shards on their own (see :mod:`gasloc_lightning.models.sharding`): the blocks."""
+        return list(self.blocks)
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters (the tied head/embedding matrix counts once).
 

@@ -118,6 +118,11 @@ class HFCausalLM(nn.Module):
         self.config = config
         self.network = _transformers().AutoModelForCausalLM.from_config(config.transformers_config())
 
+    def shard_blocks(self) -> list[nn.Module]:
+        """The decoder layers (the classes transformers names in ``_no_split_modules``), sharded one by one."""
+        names = set(getattr(self.network, "_no_split_modules", None) or ())
+        return [module for module in self.network.modules() if type(module).__name__ in names]
+
     def forward(self, idx: Tensor) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits."""
         if idx.shape[1] > self.config.block_size:

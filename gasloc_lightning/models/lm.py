@@ -24,6 +24,7 @@ from torchmetrics.text import Perplexity
 
 from gasloc_lightning.models.gpt import GPT, PRESETS, GPTConfig
 from gasloc_lightning.models.hf import HFCausalLM, HFCausalLMConfig
+from gasloc_lightning.models.sharding import is_sharded, shard_by_block
 
 OptimizerFactory = Callable[[Iterable[Any]], Optimizer]
 
@@ -166,6 +167,13 @@ class LanguageModel(pl.LightningModule):
         self.tokens_seen = 0  # per worker; a plain int so gossip/averaging never touches it
         self.val_loss, self.val_ppl = MeanMetric(), Perplexity()
         self.test_loss, self.test_ppl = MeanMetric(), Perplexity()
+
+    def configure_model(self) -> None:
+        """With a device mesh from the strategy (a worker sharded over its ranks, ``intra_worker="fsdp"``), shard the
+        network by block with FSDP2; without one, nothing (Lightning's ``configure_model`` convention)."""
+        if self.device_mesh is None or is_sharded(self.model):
+            return
+        shard_by_block(self.model, self.model.shard_blocks(), self.device_mesh)
 
     def forward(self, idx: Tensor) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits."""

@@ -362,15 +362,16 @@ class GASLoCStrategy(LocalStepsStrategy):
         self.layout.scatter(live)
 
     def peers(self, round_index: int | None = None) -> dict[int, float]:
-        """This rank's peers (global ranks of their worker leaders) and mixing weights w_ij in round t.
+        """This rank's peers and mixing weights w_ij in round t: the global ranks of the peer workers' leaders, or
+        with sharded workers of the ranks holding this rank's shard in the peer workers.
 
         Defaults to the current round; empty for ranks that do not exchange (non-leaders, single worker).
         """
-        if self.num_workers <= 1 or not self.is_worker_leader:
+        if self.num_workers <= 1 or not self.exchanges_for_worker:
             return {}
         t = self.round_index if round_index is None else round_index
         weights = self._topology.mixing_weights(self.worker_index, self.num_workers, t)
-        return {peer * self.ranks_per_worker: weight for peer, weight in weights.items()}
+        return {self._workers.peer_rank(peer, self.global_rank): weight for peer, weight in weights.items()}
 
     @override
     @torch.no_grad()
@@ -381,7 +382,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         layout, round_ = self.layout, self._round
         self._drain_exchanges()  # an overlapped exchange reads the wire and yields the correction folded in now
         point = layout.read()  # thetaH | buffers (the live vector when bound)
-        exchanging = self.is_worker_leader and self.world_size > 1 and not self._topology.uses_all_reduce
+        exchanging = self.exchanges_for_worker and self.world_size > 1 and not self._topology.uses_all_reduce
         if round_.fused:  # the fused message checks its own finiteness in the same pass
             wire = self._begin_fused(point, send=exchanging)
         else:
@@ -392,14 +393,14 @@ class GASLoCStrategy(LocalStepsStrategy):
             self._transport.all_reduce_mean(point)  # replicas inside a worker are equal: a mean over workers
             round_.mixed.copy_(layout.split(point)[0])
             self._clock_all_reduce()
-        elif not self.is_worker_leader:
+        elif not self.exchanges_for_worker:
             clock = self._clock_tensor()
             self.broadcast_in_worker(round_.mixed, buffers, clock)  # the leader exchanged for this worker
             if self._round_clock is not None:
                 self._round_clock.follow(clock)
         else:
             self._exchange(point, wire)
-        if self.is_worker_leader and not self._topology.uses_all_reduce:
+        if self.is_worker_leader and not self._topology.uses_all_reduce:  # a no-op in a sharded worker
             self.broadcast_in_worker(round_.mixed, buffers, self._clock_tensor())
         round_.finish(point)
         layout.scatter(point)

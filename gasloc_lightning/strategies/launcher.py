@@ -8,6 +8,8 @@
   pid everywhere.
 - :func:`release_process_group_in_child` destroys a spawned or forked worker's process group before it
   exits.
+- :class:`ShardedResultsLauncher` is Lightning's spawn/fork launcher for sharded workers: the weights it
+  hands back to the launching process are the whole model, gathered from rank 0's worker, not rank 0's shard.
 
 A failing worker other than the launching one is already handled by Lightning: its process observer
 stops the others within a few seconds.
@@ -27,6 +29,7 @@ import time
 from typing import Any, Callable
 
 import torch.distributed as dist
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,35 @@ class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
             if proc.poll() is None:
                 log.info("stopping worker process pid=%d", proc.pid)
         terminate(self.procs, self.grace_s)
+
+
+class ShardedResultsLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher (``spawn``, ``fork``) for workers sharded with FSDP2.
+
+    Lightning returns rank 0's ``state_dict()`` to the launching process; a sharded rank's holds DTensors (its
+    shard and a device mesh) that the launching process, which has no process group, cannot load. The strategy
+    hands this launcher its worker's whole state dict with :meth:`keep` while the process group still exists (a
+    collective inside each worker, at teardown after a fit that ended normally; after the end-of-fit average
+    every worker holds the consensus), and rank 0 returns that instead.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._full_state: dict[str, Any] | None = None
+
+    def keep(self, full_state: dict[str, Any]) -> None:
+        self._full_state = full_state
+
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        full, self._full_state = self._full_state, None
+        if full is None:  # not a finished fit: nothing is handed back but the state, as Lightning does
+            return super()._collect_rank_zero_results(trainer, results)
+        module = trainer.lightning_module
+        module.state_dict = lambda *args, **kwargs: full  # what Lightning's collection reads, for this call only
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            del module.state_dict
 
 
 def terminate(processes: list[subprocess.Popen], grace_s: float) -> None:

@@ -10,7 +10,8 @@ It reads as a list of collaborators, each with one concern and its own tests:
 - :class:`~gasloc_lightning.comm.transport.GossipTransport`: point-to-point exchanges and all-reduces;
 - :class:`~gasloc_lightning.strategies.guards.NonFiniteGuard`: non-finite points and messages;
 - :class:`~gasloc_lightning.strategies.consensus.ConsensusSwap`: evaluation on the replicas' average;
-- :class:`~gasloc_lightning.strategies.worker_groups.WorkerGroups`: workers of several ranks;
+- :class:`~gasloc_lightning.strategies.worker_groups.WorkerGroups`: workers of several ranks (DDP inside, or
+  FSDP2 over a ``(workers, shards)`` mesh with shard-to-shard exchanges);
 - :class:`~gasloc_lightning.strategies.round_clock.RoundClock`: the simulated clock, observing rounds;
 - :class:`~gasloc_lightning.strategies.launcher.StoppingSubprocessLauncher`: no worker outlives its launcher;
 - the per-rank checkpoint plugin (:mod:`gasloc_lightning.plugins`).
@@ -33,11 +34,13 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from gasloc_lightning.algorithm.outer import all_finite
 from gasloc_lightning.comm.flat import FlatLayout
 from gasloc_lightning.comm.transport import GossipTransport
 from gasloc_lightning.network import NetworkModel
@@ -45,7 +48,9 @@ from gasloc_lightning.plugins import per_rank as ckpt
 from gasloc_lightning.plugins.per_rank_io import resolve_checkpoint_io
 from gasloc_lightning.strategies.consensus import ConsensusSwap
 from gasloc_lightning.strategies.guards import NonFiniteGuard, OnNonFinite
+from gasloc_lightning.strategies import sharded_state
 from gasloc_lightning.strategies.launcher import (
+    ShardedResultsLauncher,
     StoppingSubprocessLauncher,
     exit_with_parent,
     release_process_group_in_child,
@@ -53,7 +58,7 @@ from gasloc_lightning.strategies.launcher import (
 from gasloc_lightning.strategies.lightning_compat import _set_num_threads_if_needed, move_sigterm_check
 from gasloc_lightning.strategies.round_clock import RoundClock
 from gasloc_lightning.strategies.schedule import InnerSteps, RoundSchedule
-from gasloc_lightning.strategies.worker_groups import WorkerGroups
+from gasloc_lightning.strategies.worker_groups import IntraWorker, WorkerGroups
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +82,13 @@ class LocalStepsStrategy(DDPStrategy):
             Forked workers (``start_method="fork"``) always run one thread: OpenMP does not survive a fork.
         on_nonfinite: ``"skip_round"`` or ``"raise"`` (see :mod:`gasloc_lightning.strategies.guards`).
         max_skipped_rounds: consecutive skipped rounds after which the worker stops with an error.
-        ranks_per_worker: k ranks (e.g. the GPUs of one node) form one worker: DDP inside the worker,
+        ranks_per_worker: k ranks (e.g. the GPUs of one node) form one worker: DDP or FSDP inside the worker,
             gossip between workers (see :mod:`gasloc_lightning.strategies.worker_groups`).
+        intra_worker: ``"ddp"`` (every rank holds the worker's whole replica; its first rank exchanges) or
+            ``"fsdp"``: the k ranks shard parameters, gradients, optimizer and outer state with FSDP2 over a
+            ``(workers, shards)`` device mesh, and rank r of a worker exchanges shard r with rank r of its peers.
+            The LightningModule shards itself in ``configure_model`` over ``self.device_mesh["shards"]``
+            (Lightning's ``ModelParallelStrategy`` convention).
         worker_ddp_kwargs: keyword arguments of ``DistributedDataParallel`` inside a worker
             (``ranks_per_worker > 1``), e.g. ``{"gradient_as_bucket_view": True}``.
         network: a :class:`~gasloc_lightning.network.NetworkModel` over the workers: every rank then keeps a
@@ -107,6 +117,7 @@ class LocalStepsStrategy(DDPStrategy):
         on_nonfinite: OnNonFinite = "skip_round",
         max_skipped_rounds: int = 3,
         ranks_per_worker: int = 1,
+        intra_worker: IntraWorker = "ddp",
         worker_ddp_kwargs: Mapping[str, Any] | None = None,
         network: NetworkModel | None = None,
         fastest_inner_steps: int = 50,
@@ -139,9 +150,11 @@ class LocalStepsStrategy(DDPStrategy):
             raise ValueError(f"worker_ddp_kwargs must be a mapping of DDP arguments, got {worker_ddp_kwargs!r}")
         if worker_ddp_kwargs and ranks_per_worker == 1:
             raise ValueError("worker_ddp_kwargs applies inside a worker of several ranks: set ranks_per_worker > 1")
+        if worker_ddp_kwargs and intra_worker == "fsdp":
+            raise ValueError("worker_ddp_kwargs applies to intra_worker='ddp'; a sharded worker has no DDP wrapper")
         self._schedule = RoundSchedule(inner_steps, network, fastest_inner_steps)
         self._guard = NonFiniteGuard(on_nonfinite, max_skipped_rounds)
-        self._workers = WorkerGroups(ranks_per_worker)
+        self._workers = WorkerGroups(ranks_per_worker, intra_worker)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -235,8 +248,28 @@ class LocalStepsStrategy(DDPStrategy):
 
     @property
     def is_worker_leader(self) -> bool:
-        """Whether this rank exchanges for its worker (the worker's first rank)."""
+        """Whether this rank is its worker's first rank (it exchanges for an unsharded worker)."""
         return self._workers.is_leader(self.global_rank)
+
+    @property
+    def intra_worker(self) -> str:
+        """``"ddp"`` or ``"fsdp"``: how the ranks of one worker share its replica."""
+        return self._workers.intra_worker
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank holds a shard of its worker's replica (``intra_worker="fsdp"``)."""
+        return self._workers.sharded
+
+    @property
+    def shard_index(self) -> int:
+        """The shard of its worker's replica this rank holds (0 when workers are not sharded)."""
+        return self._workers.shard_of(self.global_rank)
+
+    @property
+    def exchanges_for_worker(self) -> bool:
+        """Whether this rank exchanges with other workers: every rank of a sharded worker, else the leader."""
+        return self._workers.exchanges(self.global_rank)
 
     @property
     def transport(self) -> GossipTransport:
@@ -280,6 +313,8 @@ class LocalStepsStrategy(DDPStrategy):
         # configuration errors surface at Trainer(...) instead of inside every child.
         self.check_configuration(self.num_nodes * self.num_processes)
         super()._configure_launcher()
+        if self.sharded and self._start_method in ("spawn", "fork"):
+            self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
         if self._start_method == "popen":
             self._launcher = StoppingSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -303,6 +338,10 @@ class LocalStepsStrategy(DDPStrategy):
         elif self._cpu_threads is not None and self.root_device.type == "cpu":
             torch.set_num_threads(self._cpu_threads)
         super().setup_environment()
+        if self.sharded:
+            # As Lightning's ModelParallelStrategy: the mesh exists before configure_model, which shards over it.
+            mesh = self._workers.create_mesh(self.world_size, self.root_device.type)
+            self.lightning_module._device_mesh = mesh
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -337,18 +376,32 @@ class LocalStepsStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """No DDP wrapper between workers (no gradient all-reduce); inside a worker of several ranks, DDP."""
+        """No DDP wrapper between workers (no gradient all-reduce); inside a worker of several ranks, DDP, or
+        nothing when the module sharded itself with FSDP2 (its own reduce-scatter runs inside the worker)."""
+        if self.sharded:
+            self._check_sharded_module()
         self._build_layout()
         self._broadcast_initial_weights()
+        if self.sharded:
+            return
         if self._workers.create(self.world_size, self.global_rank) is not None:
             self._ddp_kwargs["process_group"] = self._workers.group
             super().configure_ddp()
 
+    def _check_sharded_module(self) -> None:
+        if not any(isinstance(p, DTensor) for p in self.lightning_module.parameters()):
+            raise TypeError(
+                "intra_worker='fsdp': the LightningModule has no sharded parameter. Shard it in configure_model, e.g. "
+                "fully_shard(block, mesh=self.device_mesh['shards']) for each block and then for the whole network "
+                "(see gasloc_lightning.models.sharding.shard_by_block), or use intra_worker='ddp'"
+            )
+
     def _build_layout(self) -> None:
         self._layout = FlatLayout(self.lightning_module)
         numel, dtype = self.wire_format(self._layout.numel)
-        self._transport = GossipTransport(
-            numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=None, dtype=dtype,
+        self._transport = GossipTransport(  # a sharded worker's rank exchanges with the same shard of other workers
+            numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=self._workers.shard_peers_group,
+            dtype=dtype,
         )
         self._consensus = ConsensusSwap(self._layout, self._replica_mean, self._drain_exchanges)
         self._check_same_model_on_every_rank()
@@ -362,8 +415,8 @@ class LocalStepsStrategy(DDPStrategy):
         mine = torch.tensor(digest, dtype=torch.int64, device=self.root_device)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
-        for rank, other in enumerate(every):
-            if not torch.equal(other, every[0]):
+        for rank, other in enumerate(every):  # the same shard of worker 0 holds as many elements
+            if not torch.equal(other, every[self._workers.peer_rank(0, rank)]):
                 raise RuntimeError(
                     f"rank {rank} holds a different model than rank 0 (the names, shapes or dtypes of the exchanged "
                     f"tensors differ: {int(other[1])} against {int(every[0][1])} elements); every rank must build "
@@ -375,7 +428,7 @@ class LocalStepsStrategy(DDPStrategy):
         if self.world_size <= 1:
             return
         flat = self.layout.read()
-        dist.broadcast(flat, src=0)
+        dist.broadcast(flat, src=self._workers.peer_rank(0, self.global_rank), group=self._workers.shard_peers_group)
         self.layout.scatter(flat)
 
     def broadcast_in_worker(self, *tensors: Tensor) -> None:
@@ -426,8 +479,9 @@ class LocalStepsStrategy(DDPStrategy):
 
     def _start_clock(self) -> None:
         self._round_clock = None
-        if self._network is not None:
-            self._round_clock = RoundClock(self._network, worker=self.worker_index, device=self.root_device)
+        if self._network is not None:  # a sharded worker's k ranks exchange over k links at once
+            self._round_clock = RoundClock(self._network, worker=self.worker_index, device=self.root_device,
+                                           links=self.ranks_per_worker if self.sharded else 1)
 
     def _clock_all_reduce(self, element_size: float | None = None) -> None:
         """An all-reduce round in simulated time (a collective when there is a clock); ``element_size``: bytes
@@ -500,8 +554,10 @@ class LocalStepsStrategy(DDPStrategy):
         return f"rank {self.global_rank}, round {self.round_index}"
 
     def _guard_local_point(self, message: Tensor, round_start: Tensor) -> None:
-        """Before sending: a non-finite local point never leaves this worker (see ``on_nonfinite``)."""
-        if self._guard.local_point_is_usable(message, self._where()):
+        """Before sending: a non-finite local point never leaves this worker (see ``on_nonfinite``). The shards of
+        one worker decide together, so a worker discards its round whole or not at all."""
+        finite = self._workers.all_agree(all_finite(message), self.root_device)
+        if self._guard.record_local_point(finite, self._where()):
             return
         params, buffers = self.layout.split(message)
         params.copy_(round_start)
@@ -536,8 +592,8 @@ class LocalStepsStrategy(DDPStrategy):
         params, _ = self.layout.split(self.layout.read())
         mean = self._replica_mean(params)
         distance = torch.sub(params, mean, out=mean).pow_(2).sum().reshape(1).double()
-        dist.all_reduce(distance)
-        return distance.item() / self.world_size
+        dist.all_reduce(distance)  # a sharded worker's ranks add up its shards; a DDP worker's each hold it all
+        return distance.item() / (self.num_workers if self.sharded else self.world_size)
 
     def _mean_buffer(self) -> Tensor:
         """Float32 model-size scratch for the replicas' average: the first receive buffer when messages
@@ -553,9 +609,10 @@ class LocalStepsStrategy(DDPStrategy):
         """The average of ``flat`` over every rank (a collective), in the mean buffer."""
         mean = self._mean_buffer()[: flat.numel()]
         mean.copy_(flat)
-        if self.world_size > 1:
-            dist.all_reduce(mean)
-            mean.div_(self.world_size)
+        if self.world_size > 1:  # over the ranks holding the same part (all of them, or the same shard)
+            group = self._workers.shard_peers_group
+            dist.all_reduce(mean, group=group)
+            mean.div_(dist.get_world_size(group))
         return mean
 
     def swap_in_consensus(self) -> None:
@@ -613,7 +670,29 @@ class LocalStepsStrategy(DDPStrategy):
                 "a checkpoint was requested while the consensus model is swapped in for evaluation; "
                 "checkpoints must hold the local replicas (is a checkpoint callback ordered before GASLoCCallback?)"
             )
-        return super().lightning_module_state_dict()
+        state = super().lightning_module_state_dict()
+        return sharded_state.local_module_state(state)[0] if self.sharded else state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.sharded:  # this rank's shard of the optimizer state, as plain tensors
+            return sharded_state.local_optimizer_state(optimizer)
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self.sharded:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(sharded_state.sharded_optimizer_state(optimizer, state))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's whole state dict on every rank (a sharded worker gathers its shards: a collective
+        inside each worker)."""
+        if self.sharded:
+            return sharded_state.full_module_state(self.lightning_module)
+        return self.lightning_module.state_dict()
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -641,6 +720,10 @@ class LocalStepsStrategy(DDPStrategy):
         checkpoint = dict(checkpoint)
         checkpoint["gasloc"] = {"rank": self.global_rank, "world_size": self.world_size, "save_id": int(save_id),
                                 "strategy": self.strategy_state_dict(), "rng": ckpt.rng_state_dict()}
+        if self.sharded:  # what gasloc-export needs to put the worker's shards together
+            names = sharded_state.local_module_state(self.lightning_module.state_dict())[1]
+            checkpoint["gasloc"]["shards"] = {"index": self.shard_index, "count": self.ranks_per_worker,
+                                              "sharded": names}
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -661,7 +744,13 @@ class LocalStepsStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.sharded and not self._restored_per_rank_state:
+            raise ValueError("intra_worker='fsdp' resumes from a per-rank checkpoint of the same layout; to start a "
+                             "sharded run from a single-file (consensus) checkpoint, load it into the model before fit")
+        if self.sharded:
+            sharded_state.load_local_module_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
         if not self._restored_per_rank_state and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             # A single-file checkpoint (e.g. a consensus export): every replica starts from it afresh.
             self._init_outer_state()
@@ -676,8 +765,16 @@ class LocalStepsStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self.restore_local()
+        if isinstance(self._launcher, ShardedResultsLauncher) and self._fit_finished_normally():
+            self._launcher.keep(self.full_state_dict())  # before the process group is released below
         super().teardown()
         release_process_group_in_child()
+
+
+    def _fit_finished_normally(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return (trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                and trainer.state.status == TrainerStatus.RUNNING and not trainer.interrupted)
 
 
 _round_callback: list[type[pl.Callback] | None] = [None]

@@ -24,11 +24,16 @@ class RoundClock:
         network: the modelled network over the workers.
         worker: this worker's index.
         device: where the clock tensors exchanged with peers live.
+        links: parallel links a worker sends over: a worker sharded over k ranks sends 1/k of the model on each
+            of k links at once (shard-to-shard exchanges, per-shard all-reduces), so a message takes 1/k the time.
     """
 
-    def __init__(self, network: NetworkModel, *, worker: int, device: torch.device) -> None:
+    def __init__(self, network: NetworkModel, *, worker: int, device: torch.device, links: int = 1) -> None:
+        if isinstance(links, bool) or not isinstance(links, int) or links < 1:
+            raise ValueError(f"links must be an int >= 1, got {links!r}")
         self._network = network
         self._device = device
+        self._links = links
         self.clock = SimulatedClock(network, rank=worker)
         self._throttle = Throttle(self.clock, network.throttle)
 
@@ -57,7 +62,7 @@ class RoundClock:
         """The exchange posted last ended: advance to its end (peers' clocks came with it)."""
         if not self.clock.pending:
             return
-        nbytes = self._network.message_bytes(element_size=element_size)
+        nbytes = self._network.message_bytes(element_size=element_size) / self._links
         self.clock.complete_exchange(peer_clocks=dict(peer_clocks), pairs=list(pairs), nbytes=nbytes)
 
     def on_all_reduce(self, group: dist.ProcessGroup | None = None, element_size: float | None = None) -> None:
@@ -67,7 +72,7 @@ class RoundClock:
         """
         latest = self.tensor()
         dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=group)
-        nbytes = None if element_size is None else self._network.message_bytes(element_size=element_size)
+        nbytes = self._network.message_bytes(element_size=element_size) / self._links
         self.clock.all_reduce(max_clock=float(latest.item()), nbytes=nbytes)
 
     def on_all_reduce_posted(self, group: dist.ProcessGroup | None = None, element_size: float | None = None,
@@ -76,7 +81,7 @@ class RoundClock:
         time it ends (it starts at the largest clock, a collective); :meth:`wait_until` it later."""
         latest = self.tensor()
         dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=group)
-        nbytes = self._network.message_bytes(element_size=element_size) * fraction
+        nbytes = self._network.message_bytes(element_size=element_size) * fraction / self._links
         return max(self.clock.time, float(latest.item())) + self._network.all_reduce_time(nbytes)
 
     def wait_until(self, end: float) -> None:
