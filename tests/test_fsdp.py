@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from dist_utils import TinyRegressor
 from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
+from gasloc_lightning.plugins.per_rank import export_consensus
 from gasloc_lightning.models.sharding import is_sharded, shard_by_block
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -74,18 +75,21 @@ class RecordRun(Callback):
             "parameter_numel": strategy.layout.num_parameter_elements,
             "optimizer_numel": _numel(strategy.optimizer_state(trainer.optimizers[0])["state"]),
             "outer_numel": _numel(strategy.strategy_state_dict()["outer"]),
+            "optimizer_state": strategy.optimizer_state(trainer.optimizers[0])["state"],
+            "outer": strategy.strategy_state_dict()["outer"],
+            "global_step": trainer.global_step,
         }
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(strategy, out: Path, max_steps: int = 9, callbacks=(), model=None, **trainer_kwargs):
+def _fit(strategy, out: Path, max_steps: int = 9, callbacks=(), model=None, ckpt_path=None, **trainer_kwargs):
     out.mkdir(parents=True, exist_ok=True)
     trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          limit_val_batches=0, default_root_dir=out, callbacks=[RecordRun(str(out)), *callbacks],
                          **trainer_kwargs)
-    trainer.fit(model or ShardedRegressor())
+    trainer.fit(model or ShardedRegressor(), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -127,3 +131,56 @@ def test_sharded_workers_follow_ddp_workers_and_hold_a_kth(tmp_path, fresh_port,
     else:  # an all-reduce of the worker's mean pseudo-gradient over the 2 workers
         worker_bytes = 3 * ring_all_reduce_bytes(whole["message_numel"] * 4, 2)
     assert [s["bytes_sent"] * K for s in shards] == [worker_bytes] * K
+
+
+class SaveAt(Callback):
+    """``trainer.save_checkpoint(path)`` after optimizer step ``step`` (every rank)."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def _assert_equal(expected, actual, where):
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(expected, actual), where
+    elif isinstance(expected, dict):
+        assert expected.keys() == actual.keys(), where
+        for key in expected:
+            _assert_equal(expected[key], actual[key], f"{where}[{key!r}]")
+    else:
+        assert expected == actual, where
+
+
+def test_sharded_run_resumes_exactly_and_exports_the_whole_consensus(tmp_path, fresh_port):
+    """8 steps straight == 4 steps, a per-rank checkpoint (each rank its shards and outer-state shard), 4 resumed
+    steps: bitwise, on every rank. gasloc-export puts each worker's shards together and averages the workers."""
+    def strategy():
+        return GASLoCStrategy(inner_steps=2, ranks_per_worker=K, intra_worker="fsdp", topology="one_peer",
+                              start_method="fork", gossip_timeout=120.0, consensus_every=0)
+
+    full = _fit(strategy(), tmp_path / "full", max_steps=8, model=EvenRegressor(batches=4))
+    fresh_port()
+    saved = _fit(strategy(), tmp_path / "first", max_steps=4, model=EvenRegressor(batches=4),
+                 callbacks=[SaveAt(4, str(tmp_path / "ck"))])
+    fresh_port()
+    model = EvenRegressor(batches=4)
+    with torch.no_grad():  # everything must come from the checkpoint
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    resumed = _fit(strategy(), tmp_path / "resumed", max_steps=8, model=model, ckpt_path=str(tmp_path / "ck"))
+    for rank, (a, b) in enumerate(zip(full, resumed)):
+        assert a["global_step"] == b["global_step"] == 8
+        for key in ("params", "optimizer_state", "outer"):
+            _assert_equal(a[key], b[key], f"rank {rank} {key}")
+    report = export_consensus(tmp_path / "ck", tmp_path / "consensus.ckpt")
+    assert report["workers"] == WORLD // K
+    exported = torch.load(tmp_path / "consensus.ckpt", weights_only=True)["state_dict"]
+    workers = [saved[0]["params"], saved[K]["params"]]  # each worker's whole replica at the save
+    assert exported.keys() == workers[0].keys()
+    for name, value in exported.items():
+        assert torch.allclose(value, (workers[0][name] + workers[1][name]) / 2, atol=1e-7), name
+    assert not torch.equal(workers[0]["net.0.weight"], workers[1]["net.0.weight"])  # an average, not a copy

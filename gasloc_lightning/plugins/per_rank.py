@@ -245,36 +245,59 @@ def export_consensus(
 
     The result loads with ``LightningModule.load_from_checkpoint`` and with plain
     ``torch.load(...)["state_dict"]``. Floating tensors are averaged; integer ones (step counters)
-    are taken from rank 0.
+    are taken from rank 0. DDP inside a worker stores its replica once per rank: the mean is the same.
 
     Args:
         directory, output: the per-rank checkpoint directory and the file to write (local paths or URLs).
         weights_only: False lets the files run code while loading: only for files you trust.
         storage_options: fsspec options for both paths.
 
+    A sharded run (``intra_worker="fsdp"``) is assembled first: each worker's k rank files hold one shard of its
+    replica each, put together in shard order, so the result is the whole model.
+
     Returns:
-        ``{"world_size", "consensus_distance"}``: the mean squared distance of the replicas to the
-        average, over floating tensors, that the export averaged away.
+        ``{"world_size", "workers", "consensus_distance"}``: the ranks and replicas read, and the mean squared
+        distance of the replicas to the average, over floating tensors, that the export averaged away.
     """
     world_size = read_meta(directory, storage_options)["world_size"]
     options = {"weights_only": weights_only, "storage_options": storage_options}
     first = load_rank_checkpoint(directory, 0, world_size, **options)
-    states = [first["state_dict"]] + [
-        load_rank_checkpoint(directory, r, world_size, **options)["state_dict"] for r in range(1, world_size)
-    ]
+    ranks = [first] + [load_rank_checkpoint(directory, r, world_size, **options) for r in range(1, world_size)]
+    states = _replicas(ranks)
+    workers = len(states)
     average = {}
     distance = 0.0
     for name, reference in states[0].items():
         if not torch.is_floating_point(reference):
             average[name] = reference.clone()
             continue
-        stacked = torch.stack([s[name].double() for s in states])  # (world, ...)
+        stacked = torch.stack([s[name].double() for s in states])  # (workers, ...)
         mean = stacked.mean(0)
-        distance += float(((stacked - mean) ** 2).sum()) / world_size
+        distance += float(((stacked - mean) ** 2).sum()) / workers
         average[name] = mean.to(reference.dtype)
     exported = {k: v for k, v in first.items() if k in ("epoch", "global_step", "pytorch-lightning_version",
                                                          "hyper_parameters", "hparams_name")}
     exported["state_dict"] = average
-    exported["gasloc_export"] = {"source": os.fspath(directory), "world_size": world_size, "consensus_distance": distance}
+    exported["gasloc_export"] = {"source": os.fspath(directory), "world_size": world_size, "workers": workers,
+                                 "consensus_distance": distance}
     save_file(exported, output, storage_options)
-    return {"world_size": world_size, "consensus_distance": distance}
+    return {"world_size": world_size, "workers": workers, "consensus_distance": distance}
+
+
+def _replicas(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One whole state dict per replica. Ranks of a sharded worker (``gasloc["shards"]``: its index, the count
+    k and the names of the sharded entries) each hold the dim-0 chunk ``index`` of those entries, as FSDP2 shards
+    them: a worker's k consecutive ranks are put together in shard order; their other entries are shard 0's."""
+    shards = ranks[0].get("gasloc", {}).get("shards")
+    if shards is None:
+        return [rank["state_dict"] for rank in ranks]
+    k, sharded = int(shards["count"]), set(shards["sharded"])
+    replicas = []
+    for first in range(0, len(ranks), k):
+        worker = ranks[first : first + k]
+        indices = [rank["gasloc"]["shards"]["index"] for rank in worker]
+        if indices != list(range(k)):
+            raise CheckpointFormatError(f"ranks {first}..{first + k - 1} hold shards {indices}, expected 0..{k - 1}")
+        replicas.append({name: torch.cat([rank["state_dict"][name] for rank in worker]) if name in sharded else value
+                         for name, value in worker[0]["state_dict"].items()})
+    return replicas
