@@ -153,7 +153,7 @@ def _spread_partners(
 
 
 class BandwidthAwareTopology(Topology):
-    """Random perfect matchings that favour fast links (issue 4, "uneven networks"), w = 1/2.
+    """Random perfect matchings that favour fast links (a network model's clusters), w = 1/2.
 
     The ranks fall into clusters with fast links inside and slow links across (machines of a
     data centre, data centres). Each round is a random perfect matching with pairwise
