@@ -18,6 +18,7 @@ from dist_utils import TinyRegressor
 from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.plugins.per_rank import export_consensus
+from gasloc_lightning.network import NetworkModel
 from gasloc_lightning.models.sharding import is_sharded, shard_by_block
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
@@ -78,6 +79,8 @@ class RecordRun(Callback):
             "optimizer_state": strategy.optimizer_state(trainer.optimizers[0])["state"],
             "outer": strategy.strategy_state_dict()["outer"],
             "global_step": trainer.global_step,
+            "sim_time": strategy.sim_time,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
         }
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
@@ -85,17 +88,24 @@ class RecordRun(Callback):
 def _fit(strategy, out: Path, max_steps: int = 9, callbacks=(), model=None, ckpt_path=None, **trainer_kwargs):
     out.mkdir(parents=True, exist_ok=True)
     trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer_kwargs.setdefault("limit_val_batches", 0)
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                         limit_val_batches=0, default_root_dir=out, callbacks=[RecordRun(str(out)), *callbacks],
+                         default_root_dir=out, callbacks=[RecordRun(str(out)), *callbacks],
                          **trainer_kwargs)
     trainer.fit(model or ShardedRegressor(), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+def _network():
+    return NetworkModel.uniform(world_size=WORLD // K, bandwidth_gbps=10, latency_s=0.0)
+
+
 CASES = {  # the even model checks the 1/k figures exactly; the BatchNorm one, uneven shards and buffers
     "gasloc_one_peer": (GASLoCStrategy, {"topology": "one_peer", "outer_lr": 0.7, "outer_momentum": 0.5}, EvenRegressor),
     "gasloc_ring": (GASLoCStrategy, {"topology": "ring", "outer_lr": 0.7, "outer_momentum": 0.5}, ShardedRegressor),
+    "gasloc_ring_overlap_bf16": (GASLoCStrategy, {"topology": "ring", "outer_lr": 0.7, "outer_momentum": 0.5,
+                                                  "overlap": True, "message_codec": "bfloat16"}, ShardedRegressor),
     "diloco": (DiLoCoStrategy, {"outer_lr": 0.7, "outer_momentum": 0.9}, EvenRegressor),
 }
 
@@ -103,20 +113,31 @@ CASES = {  # the even model checks the 1/k figures exactly; the BatchNorm one, u
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sharded_workers_follow_ddp_workers_and_hold_a_kth(tmp_path, fresh_port, case):
     """3 rounds of 2 workers x 2 ranks: every parameter of the sharded run within 1e-5 of the DDP run; each rank
-    of a sharded worker holds and sends 1/k of the parameters, of their optimizer state and of the outer state."""
+    of a sharded worker holds and sends 1/k of the parameters, of their optimizer state and of the outer state.
+    With a network model, a sharded worker's exchange takes 1/k the time (k links at once); validation on the
+    consensus and each replica's own loss agree."""
     cls, hyper, model = CASES[case]
+    with_network = case == "gasloc_one_peer"
     runs = {}
     for intra_worker in ("ddp", "fsdp"):
         fresh_port()
         strategy = cls(inner_steps=3, ranks_per_worker=K, intra_worker=intra_worker, start_method="fork",
-                       gossip_timeout=120.0, consensus_every=0, **hyper)
-        runs[intra_worker] = _fit(strategy, tmp_path / intra_worker, model=model())
+                       gossip_timeout=120.0, consensus_every=0, network=_network() if with_network else None, **hyper)
+        validation = {"limit_val_batches": 2, "val_check_interval": 4, "num_sanity_val_steps": 0} if with_network else {}
+        runs[intra_worker] = _fit(strategy, tmp_path / intra_worker, model=model(), **validation)
     for ddp, fsdp in zip(runs["ddp"], runs["fsdp"]):
         assert ddp["round_index"] == fsdp["round_index"] == 3
         assert ddp["params"].keys() == fsdp["params"].keys()
         for name, reference in ddp["params"].items():
             scale = reference.norm().clamp_min(1e-3)
             assert (fsdp["params"][name] - reference).norm() <= 1e-5 * scale, name
+    if with_network:  # 9 steps of 0.5 s on both; the exchanges over k links take half the time
+        ddp_comm, fsdp_comm = runs["ddp"][0]["sim_time"] - 4.5, runs["fsdp"][0]["sim_time"] - 4.5
+        assert ddp_comm > 0 and fsdp_comm == pytest.approx(ddp_comm / K, rel=1e-9)
+        ddp_metrics, fsdp_metrics = runs["ddp"][0]["metrics"], runs["fsdp"][0]["metrics"]
+        for name in ("val/loss", "val/loss_local"):
+            assert fsdp_metrics[name] == pytest.approx(ddp_metrics[name], rel=1e-5), name
+        assert fsdp_metrics["val/loss"] != pytest.approx(fsdp_metrics["val/loss_local"], rel=1e-6)
     whole, shards = runs["ddp"][0], runs["fsdp"][:K]
     assert sum(s["parameter_numel"] for s in shards) == whole["parameter_numel"]  # the shards add up to a replica
     if model is not EvenRegressor:
