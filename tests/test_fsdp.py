@@ -78,6 +78,7 @@ class RecordRun(Callback):
             "outer_numel": _numel(strategy.strategy_state_dict()["outer"]),
             "optimizer_state": strategy.optimizer_state(trainer.optimizers[0])["state"],
             "outer": strategy.strategy_state_dict()["outer"],
+            "strategy": {k: v for k, v in strategy.strategy_state_dict().items() if k not in ("outer", "counters")},
             "global_step": trainer.global_step,
             "sim_time": strategy.sim_time,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
@@ -177,10 +178,11 @@ def _assert_equal(expected, actual, where):
 
 
 def test_sharded_run_resumes_exactly_and_exports_the_whole_consensus(tmp_path, fresh_port):
-    """8 steps straight == 4 steps, a per-rank checkpoint (each rank its shards and outer-state shard), 4 resumed
-    steps: bitwise, on every rank. gasloc-export puts each worker's shards together and averages the workers."""
+    """8 steps straight == 4 steps, a per-rank checkpoint (each rank its shards, its outer-state shard and its error
+    feedback copies), 4 resumed steps: bitwise, on every rank. gasloc-export puts each worker's shards together and averages the workers."""
     def strategy():
-        return GASLoCStrategy(inner_steps=2, ranks_per_worker=K, intra_worker="fsdp", topology="one_peer",
+        return GASLoCStrategy(inner_steps=2, ranks_per_worker=K, intra_worker="fsdp", topology="ring",
+                              message_codec="int8", error_feedback=True,  # per-edge public copies, per shard
                               start_method="fork", gossip_timeout=120.0, consensus_every=0)
 
     full = _fit(strategy(), tmp_path / "full", max_steps=8, model=EvenRegressor(batches=4))
@@ -195,7 +197,7 @@ def test_sharded_run_resumes_exactly_and_exports_the_whole_consensus(tmp_path, f
     resumed = _fit(strategy(), tmp_path / "resumed", max_steps=8, model=model, ckpt_path=str(tmp_path / "ck"))
     for rank, (a, b) in enumerate(zip(full, resumed)):
         assert a["global_step"] == b["global_step"] == 8
-        for key in ("params", "optimizer_state", "outer"):
+        for key in ("params", "optimizer_state", "outer", "strategy"):
             _assert_equal(a[key], b[key], f"rank {rank} {key}")
     report = export_consensus(tmp_path / "ck", tmp_path / "consensus.ckpt")
     assert report["workers"] == WORLD // K
@@ -205,3 +207,25 @@ def test_sharded_run_resumes_exactly_and_exports_the_whole_consensus(tmp_path, f
     for name, value in exported.items():
         assert torch.allclose(value, (workers[0][name] + workers[1][name]) / 2, atol=1e-7), name
     assert not torch.equal(workers[0]["net.0.weight"], workers[1]["net.0.weight"])  # an average, not a copy
+
+
+def _elastic_strategy(**kwargs):
+    from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
+
+    return ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: GASLoCStrategy(intra_worker="fsdp"), "ranks_per_worker > 1"),
+    (lambda: GASLoCStrategy(ranks_per_worker=2, intra_worker="zero"), "intra_worker"),
+    (lambda: DiLoCoStrategy(ranks_per_worker=2, intra_worker="fsdp", worker_ddp_kwargs={"bucket_cap_mb": 1}),
+     "worker_ddp_kwargs"),
+    (lambda: GASLoCStrategy(ranks_per_worker=2, intra_worker="fsdp", fragments=2).check_configuration(4),
+     "fragments"),
+    (lambda: DiLoCoStrategy(ranks_per_worker=2, intra_worker="fsdp", overlap=True).check_configuration(4),
+     "overlap"),
+    (lambda: _elastic_strategy(intra_worker="fsdp"), "elastic mode"),
+])
+def test_what_sharded_workers_do_not_support_is_refused_by_name(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -156,6 +156,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
                 raise ValueError(f"{type(self).__name__} sends float32 messages: {name} must be 'float32'")
         if kwargs.get("fragments", 1) != 1:
             raise ValueError(f"{type(self).__name__} exchanges whole models: fragments must be 1")
+        if kwargs.get("intra_worker", "ddp") != "ddp":
+            raise ValueError(f"{type(self).__name__} runs one process per worker: sharded workers "
+                             f"(intra_worker={kwargs['intra_worker']!r}) are not supported in the elastic mode; "
+                             "leave intra_worker='ddp' and ranks_per_worker=1")
         if kwargs.get("ranks_per_worker", 1) != 1:
             raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
         if not isinstance(leave_grace_s, (int, float)) or isinstance(leave_grace_s, bool) or leave_grace_s < 0:
