@@ -27,7 +27,8 @@ CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 FENCE = re.compile(r"^\s*(```|~~~)")
 TOP_DIRS = ("gasloc_lightning", "benchmarks", "tests", "docs", "conf", "notebooks")
 REPO_PATH = re.compile(r"^(?:%s)/[\w./-]*$" % "|".join(TOP_DIRS))
-PACKAGE_FILE = re.compile(r"^(?:algorithm|topology|network|comm|plugins|strategies|data|models|sim|netlab|app)/\w+\.py$")
+SUB_PACKAGES = sorted(p.parent.name for p in (ROOT / "gasloc_lightning").glob("*/__init__.py"))
+PACKAGE_FILE = re.compile(r"^(?:%s)/\w+\.py$" % "|".join(SUB_PACKAGES))  # strategies/schedule.py
 MODULE_PATH = re.compile(r"^gasloc_lightning(?:\.\w+)+$")
 
 
@@ -44,7 +45,7 @@ def _prose(page: Path) -> list[tuple[int, str]]:
 
 
 def _slug(heading: str) -> str:
-    """GitHub's id for a heading: link targets and code marks dropped, lower case, punctuation removed, spaces to '-'."""
+    """GitHub's id for a heading: links and code marks dropped, lower case, punctuation removed, spaces to '-'."""
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
