@@ -181,7 +181,6 @@ def codecs_part(device: torch.device, numel: int) -> dict[str, Any]:
     x = torch.randn(numel, device=device, generator=generator)
     copy_target = torch.empty_like(x)
     copy_s = median_seconds(lambda: copy_target.copy_(x), device)
-    del copy_target
     print(f"  {numel:,} float32 elements on {device}; copy_ {copy_s * 1e3:.3f} ms "
           f"({2 * 4 * numel / copy_s / 1e9:.0f} GB/s read+write)")
     result: dict[str, Any] = {"numel": numel, "device": str(device), "copy_ms": copy_s * 1e3}

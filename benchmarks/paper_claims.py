@@ -217,7 +217,7 @@ def grid_size(cell: Cell, world_size: int) -> int:
 class CostModel:
     """Seconds on the 2-core CPU machine, for the estimate printed before running.
 
-    step_s comes from README's demo: 4 workers x 100 steps of the tiny GPT at 4,096 tokens per
+    step_s comes from the demo (docs/user_guide.md): 4 workers x 100 steps of the tiny GPT at 4,096 tokens per
     step trained in 12-16 s. The presets also take 4,096 tokens per step, on 8 workers: the same
     compute plus each process's fixed per-step cost (hooks, a metrics row), hence 0.18 s, not 0.14.
     job_start_s and launch_s come from this script's smoke run (``--quick --seeds 1 2``: 4 forked

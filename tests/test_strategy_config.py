@@ -37,7 +37,7 @@ def test_defaults_follow_the_topology_table():
     trainer = make_trainer(GASLoCStrategy(), devices=4)
     strategy = trainer.strategy
     assert strategy.topology.name == "one_peer" and strategy.outer_lr == 0.7
-    assert strategy.outer_momentum == 0.9  # the README table: DiLoCo's value, stable on one_peer
+    assert strategy.outer_momentum == 0.9  # the table in docs/user_guide.md: DiLoCo's value, stable on one_peer
     assert strategy.inner_steps == 50
 
 

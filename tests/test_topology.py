@@ -322,7 +322,7 @@ def test_hypercube_rate_matches_the_generic_periodic_computation():
             assert topology.consensus_rate(16, gamma, form) == pytest.approx(expected, abs=1e-9)
 
 
-# The README's table of default outer momenta (anchored form, no overlap): independent of the code.
+# The table (docs/user_guide.md) of default outer momenta (anchored form, no overlap): independent of the code.
 DOCUMENTED_DEFAULTS = {"one_peer": 0.9, "two_peer": 0.9, "ring": 0.9, "torus": 0.9, "exponential": 0.9,
                        "complete": 0.9, "local": 0.0}
 
@@ -363,7 +363,7 @@ def test_default_momentum_is_the_documented_one_and_contracts(name, n):
 
 
 def test_exponential_defaults_and_limits():
-    """README: 0.9 up to n = 16, 0.7 from n = 32 on; the schedule's limits 0.848 (n = 32), 0.786 (n = 64)."""
+    """docs/user_guide.md: 0.9 up to n = 16, 0.7 from n = 32 on; the schedule's limits 0.848 (n = 32), 0.786 (n = 64)."""
     topology = ExponentialTopology()
     assert [topology.default_outer_momentum(n) for n in (16, 32, 64, 1024)] == [0.9, 0.7, 0.7, 0.7]
     assert simulated_disagreement(topology, 64, 0.7, rounds=300) < 1e-3

@@ -1,4 +1,4 @@
-"""Launched by `torchrun --nproc_per_node 2`: strategy="gasloc" by name (default H = 50), the README's multi-node path."""
+"""Launched by `torchrun --nproc_per_node 2`: strategy="gasloc" by name (default H = 50), the multi-node path of docs/user_guide.md."""
 
 import sys
 
