@@ -229,3 +229,21 @@ def _elastic_strategy(**kwargs):
 def test_what_sharded_workers_do_not_support_is_refused_by_name(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_validate_after_a_sharded_fit_evaluates_the_consensus_it_returned(tmp_path, fresh_port):
+    """Fork hands the launching process the whole consensus model (not rank 0's shard); a later
+    ``trainer.validate`` shards it again and scores it as the fit's last validation did."""
+    strategy = GASLoCStrategy(inner_steps=3, ranks_per_worker=K, intra_worker="fsdp", topology="one_peer",
+                              start_method="fork", gossip_timeout=120.0)
+    model = EvenRegressor(batches=3)  # one epoch = one round, validated at its end
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=3, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         enable_checkpointing=False, limit_val_batches=2, num_sanity_val_steps=0,
+                         default_root_dir=tmp_path)
+    trainer.fit(model)
+    fitted = float(trainer.callback_metrics["val/loss"])
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+    fresh_port()
+    validated = trainer.validate(model, verbose=False)[0]["val/loss"]
+    assert validated == pytest.approx(fitted, rel=1e-6)

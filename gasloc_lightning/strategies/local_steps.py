@@ -352,7 +352,10 @@ class LocalStepsStrategy(DDPStrategy):
             )
         fitting = trainer.state.fn == TrainerFn.FITTING
         replicas = self._keep_replicas_through_setup(fitting)
-        super().setup(trainer)  # DDPStrategy's: configure_ddp (below) when fitting, else rank 0's weights
+        if self.sharded and not fitting:
+            self._setup_sharded_for_evaluation(trainer)
+        else:
+            super().setup(trainer)  # DDPStrategy's: configure_ddp (below) when fitting, else rank 0's weights
         if not fitting:
             self._build_layout()
             if replicas is not None:  # evaluating after a fit: the replicas stay as fit left them
@@ -366,6 +369,14 @@ class LocalStepsStrategy(DDPStrategy):
             self._start_clock()
             self._has_fit = True
         self._attach_callback(trainer)
+
+    def _setup_sharded_for_evaluation(self, trainer: pl.Trainer) -> None:
+        """DDPStrategy's setup outside fit, less its broadcast of rank 0's module states: rank 0 holds one shard,
+        and every rank sharded the same weights already (the launching process's model)."""
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
 
     def _keep_replicas_through_setup(self, fitting: bool) -> Tensor | None:
         """DDPStrategy's setup gives every rank rank 0's weights when not fitting: right for a fresh model,
