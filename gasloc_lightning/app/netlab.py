@@ -221,10 +221,11 @@ def _clock(cfg: DictConfig, network: NetworkModel, lab: Lab, run_dir: Path) -> d
                  "predicted_bw": bandwidth, "predicted_ring_bw": ring, "measured": median(seconds), "repeats": seconds})
     round_index, pairs = busiest_round(network, instantiate(cfg.topology))
     full, bandwidth = predict_gossip(network, pairs, nbytes, scale)
-    seconds = measure(lab, pattern="gossip", nbytes=nbytes, pairs=pairs, repeats=repeats, folder=run_dir / "clock")
-    rows.append({"preset": preset, "pattern": f"gossip (GASLoC, round {round_index}: {pairs})", "nbytes": nbytes,
-                 "predicted": full, "predicted_bw": bandwidth, "predicted_ring_bw": None, "measured": median(seconds),
-                 "repeats": seconds})
+    for pattern, order in (("gossip", "send first, as the engines"), ("gossip_recv_first", "recv first")):
+        seconds = measure(lab, pattern=pattern, nbytes=nbytes, pairs=pairs, repeats=repeats, folder=run_dir / "clock")
+        rows.append({"preset": preset, "pattern": f"gossip (GASLoC round {round_index}, {len(pairs)} pairs, {order})",
+                     "nbytes": nbytes, "predicted": full, "predicted_bw": bandwidth, "predicted_ring_bw": None,
+                     "measured": median(seconds), "repeats": seconds})
     print("| preset | pattern | bytes | model (s) | model, no latency (s) | ring, no latency (s) | measured (s) | "
           "measured / model, no latency |")
     for row in rows:

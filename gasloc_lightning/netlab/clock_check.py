@@ -56,20 +56,34 @@ def busiest_round(network: NetworkModel, topology: object, rounds: int = 20) -> 
     return best, round_pairs(topology, network.world_size, best)
 
 
+def without_latency(network: NetworkModel) -> NetworkModel:
+    """``network`` with every latency 0 (the lab's links have none): same clusters, bandwidths and sharing."""
+    k, n = network.num_clusters, network.world_size
+    members = [[r for r in range(n) if network.cluster_of(r) == c] for c in range(k)]
+    gbps = [[_gbps(network, members[a], members[b]) for b in range(k)] for a in range(k)]
+    return NetworkModel(bandwidth_gbps=gbps, latency_s=[[0.0] * k for _ in range(k)],
+                        clusters=[network.cluster_of(r) for r in range(n)])
+
+
+def _gbps(network: NetworkModel, a: list[int], b: list[int]) -> float:
+    pair = (a[0], b[0]) if a != b else ((a[0], a[1]) if len(a) > 1 else None)
+    return 1.0 if pair is None else network.link(*pair)[0] * 8 / 1e9  # a lone rank's own entry is never used
+
+
 def predict_allreduce(network: NetworkModel, nbytes: int, scale: float) -> tuple[float, float, float]:
     """(model, model without latency, ring without latency) seconds of one all-reduce on the lab's links."""
-    full = network.all_reduce_time(nbytes / scale)
-    ring = network.ring_all_reduce_time(nbytes / scale) - network.ring_all_reduce_time(0)
-    return full, full - network.all_reduce_time(0), ring
+    bare = without_latency(network)
+    return (network.all_reduce_time(nbytes / scale), bare.all_reduce_time(nbytes / scale),
+            bare.ring_all_reduce_time(nbytes / scale))
 
 
 def predict_gossip(network: NetworkModel, pairs: list[tuple[int, int]], nbytes: int, scale: float) -> tuple[float, float]:
     """(model, model without latency) seconds of one gossip round of ``pairs`` (its slowest exchange)."""
-    flows = network.concurrent_flows(pairs)
-    full = max(network.pairwise_time(i, j, nbytes / scale, flows[(i, j)]) for i, j in pairs)
-    bandwidth = max(network.pairwise_time(i, j, nbytes / scale, flows[(i, j)]) - network.link(i, j)[1]
-                    for i, j in pairs)
-    return full, bandwidth
+    def slowest(model: NetworkModel) -> float:
+        flows = model.concurrent_flows(pairs)
+        return max(model.pairwise_time(i, j, nbytes / scale, flows[(i, j)]) for i, j in pairs)
+
+    return slowest(network), slowest(without_latency(network))
 
 
 def measure(lab: Lab, *, pattern: str, nbytes: int, pairs: list[tuple[int, int]], repeats: int,

@@ -37,6 +37,9 @@ PREFIX = "glab-"
 SITE_DEVICE = "wan"  # the site's end of its link, in every site namespace
 _DEFAULT_CLASS_RATE = "10gbit"  # non-IP frames (ARP) and anything no filter matches
 _CLONE_NEWNET = 0x40000000
+_GSO_MAX_BYTES = 16384
+_QUEUE_S = 0.05  # a class holds at most this many seconds of its rate
+_QUEUE_MIN_BYTES = 4 * _GSO_MAX_BYTES
 
 
 def run_prefix() -> str:
@@ -102,6 +105,8 @@ class Lab:
         run("ip", "-n", self.backbone, "link", "set", port, "master", "br0")
         run("ip", "-n", self.backbone, "link", "set", port, "up")
         run("ip", "-n", ns, "addr", "add", f"{self.plan.addresses[site]}/{SUBNET.prefixlen}", "dev", SITE_DEVICE)
+        # Segments of at most 16 KiB (not 64 KiB): the short queues below then hold several of them.
+        run("ip", "-n", ns, "link", "set", SITE_DEVICE, "gso_max_size", str(_GSO_MAX_BYTES))
         run("ip", "-n", ns, "link", "set", SITE_DEVICE, "up")
         self._shape(site)
 
@@ -115,6 +120,11 @@ class Lab:
                 continue
             run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", "1:", "classid", _class(other),
                 "htb", *_rate_args(self._rates[site][other]))
+            # A short queue under each class (fq_codel, sfq and netem are not in this kernel): gloo sends both
+            # directions of a pair over one TCP connection, so a deep queue holds one direction's ACKs behind
+            # the other's data for seconds and a two-way exchange serialises.
+            run("tc", "-n", ns, "qdisc", "add", "dev", SITE_DEVICE, "parent", _class(other), "bfifo", "limit",
+                str(_queue_bytes(self._rates[site][other])))
             run("tc", "-n", ns, "filter", "add", "dev", SITE_DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
                 "u32", "match", "ip", "dst", f"{self.plan.addresses[other]}/32", "flowid", _class(other))
 
@@ -173,6 +183,11 @@ class Lab:
 
 def _class(site: int) -> str:
     return f"1:{10 + site:x}"
+
+
+def _queue_bytes(mbit: float) -> int:
+    """A class's queue: ``_QUEUE_S`` of its rate, at least ``_QUEUE_MIN_BYTES``."""
+    return max(_QUEUE_MIN_BYTES, int(mbit * 1e6 / 8 * _QUEUE_S))
 
 
 def _rate_args(mbit: float) -> list[str]:

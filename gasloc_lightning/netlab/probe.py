@@ -3,7 +3,9 @@
 The ranks build a gloo group bound to their site's address (rank 0's site holds the store), then time one
 communication pattern ``--repeats`` times between two barriers: ``allreduce`` (what DiLoCo does per round: one
 all-reduce of the message) or ``gossip`` (GASLoC's round: each rank sends its message to, and receives one from,
-each of its peers in ``--pairs``). Rank 0 writes the seconds of every repeat to ``--out`` as JSON. The bytes are
+each of its peers in ``--pairs``; the send posted first, as both engines' transports post it) or
+``gossip_recv_first`` (the same with the receive posted first: with gloo, a pair whose two ends both post
+the send first moves the two directions one after the other, about twice the time on a bandwidth-bound link). Rank 0 writes the seconds of every repeat to ``--out`` as JSON. The bytes are
 zeros: only their number matters to the links.
 """
 
@@ -19,7 +21,7 @@ from torch.distributed import ProcessGroupGloo, TCPStore
 
 from gasloc_lightning.comm.endpoints import Endpoint, gloo_options, listening_store
 
-PATTERNS = ("allreduce", "gossip")
+PATTERNS = ("allreduce", "gossip", "gossip_recv_first")
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
@@ -47,8 +49,10 @@ def _once(group: ProcessGroupGloo, args: argparse.Namespace, tensor: torch.Tenso
         group.allreduce([tensor]).wait()
     else:
         peers = [j if i == args.rank else i for i, j in parse_pairs(args.pairs) if args.rank in (i, j)]
-        works = [group.send([tensor], peer, 0) for peer in peers]
-        works += [group.recv([inbox[peer]], peer, 0) for peer in peers]
+        sends = [lambda peer=peer: group.send([tensor], peer, 0) for peer in peers]
+        recvs = [lambda peer=peer: group.recv([inbox[peer]], peer, 0) for peer in peers]
+        ordered = recvs + sends if args.pattern == "gossip_recv_first" else sends + recvs
+        works = [post() for post in ordered]
         for work in works:
             work.wait()
     group.barrier().wait()
