@@ -223,8 +223,8 @@ def _poison_worker(simulator, worker: int, steps: set[int]) -> None:
     """After the chosen steps, ``worker``'s parameters and first moments go NaN (as a NaN loss would leave them)."""
     train_step = simulator.replicas.train_step
 
-    def poisoned(x, y, step_in_round):
-        losses = train_step(x, y, step_in_round)
+    def poisoned(x, y, step_in_round, rows=None):
+        losses = train_step(x, y, step_in_round, rows=rows)
         if simulator.step in steps:
             simulator.replicas.flat[worker].fill_(float("nan"))
             for state in simulator.replicas.optimizer.state.values():

@@ -38,7 +38,7 @@ from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.models.lm import warmup_cosine_factor
 from gasloc_lightning.sim import (ChurnSchedule, CohortReplicas, DiLoCoRounds, GossipRounds, ShardedBatches, Simulator,
                                   StackedReplicas, WorkerClocks, check_memory, estimate_bytes,
-                                  resolve_outer_momentum)
+                                  resolve_outer_momentum, resolve_outer_momentum_for_sizes)
 from gasloc_lightning.topology import build_topology
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,10 @@ class SimSchema:
     down_fraction, mean_downtime_rounds, min_live, churn_seed: the churn schedule (down_fraction 0: none).
     max_memory_gb: refuse runs estimated above this (null: 80% of the available memory).
     threads: torch threads (null: torch's default). attention_math: batched math attention kernel.
+    device: where every replica, batch and round tensor lives: cpu, cuda or cuda:<i> (refused when absent).
+    shared_validation: validate on a single-worker run's windows, as gasloc-elastic does (false: the union of
+    every worker's validation windows, as the strategies' consensus evaluation).
+    A network with preemption (network=preemption) gives the churn schedule instead of down_fraction.
     """
 
     workers: int = 4
@@ -65,6 +69,8 @@ class SimSchema:
     max_memory_gb: Optional[float] = None
     threads: Optional[int] = None
     attention_math: bool = True
+    device: str = "cpu"
+    shared_validation: bool = False
 
 
 @dataclass
@@ -148,26 +154,28 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     if cfg.strategy.get("ranks_per_worker", 1) != 1:
         raise ValueError("strategy.ranks_per_worker > 1 (DDP inside a worker) is not simulated; use 1")
     network = _network(cfg, workers)
+    device = _device(cfg.sim.device)
     per_worker = _inner_steps(cfg, network, workers)
     inner_steps = max(per_worker)  # a round lasts max_i H_i loop steps
     strategy = cfg.strategy
     record: dict[str, Any] = {"name": kind, "topology": "complete", "inner_steps": inner_steps,
                               "outer_lr": float(strategy.outer_lr), "outer_form": "nesterov", "engine": "sim"}
+    churn = _churn(cfg, network, workers, count_rounds(cfg.trainer.max_steps, inner_steps))
     if kind == "gasloc":
         topology = _topology(cfg)
-        gamma = resolve_outer_momentum(topology, workers, strategy.outer_momentum, strategy.outer_form,
-                                       strategy.overlap, strategy.delayed_weight)
+        sizes = [workers] if churn is None else sorted({workers, *churn.live_sizes()})
+        gamma = resolve_outer_momentum_for_sizes(topology, sizes, strategy.outer_momentum, strategy.outer_form,
+                                                 strategy.overlap, strategy.delayed_weight)
+        resolve_outer_momentum(topology, workers, gamma, strategy.outer_form, strategy.overlap,
+                               strategy.delayed_weight)  # the graph of all n, even if churn never reaches it
         record.update(name="local" if topology.name == "local" else "gasloc", topology=topology.name,
                       outer_form=strategy.outer_form)
     else:
         gamma = float(strategy.outer_momentum)
     record["outer_momentum"] = gamma
-    churn = _churn(cfg, workers, count_rounds(cfg.trainer.max_steps, inner_steps))
-    if churn is not None and kind == "gasloc" and topology.uses_all_reduce is False:
-        for live in sorted({len(e.live) for e in churn.events}):
-            topology.check_world_size(live)
     pl.seed_everything(cfg.seed, workers=True)  # the model's initial weights, as gasloc-train draws them
     model = hydra.utils.instantiate(cfg.model, _convert_="all")
+    model.model.to(device)  # every replica, and so every round tensor, lives where the module does
     gpt = model.model.config
     estimated = estimate_bytes(workers=workers, parameters=model.model.num_parameters(),
                                batch_size=cfg.data.batch_size, block_size=cfg.data.block_size, n_layer=gpt.n_layer,
@@ -202,7 +210,7 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     data_node = cfg.data
     batches = ShardedBatches(
         lambda rank, world_size: hydra.utils.instantiate(data_node, rank=rank, world_size=world_size, _convert_="all"),
-        workers)
+        workers, shared_validation=cfg.sim.shared_validation, device=device)
     simulator = Simulator(replicas=replicas, rounds=rounds, clocks=clocks, batches=batches, inner_steps=inner_steps,
                           max_steps=cfg.trainer.max_steps, val_check_interval=cfg.trainer.val_check_interval,
                           consensus_every=strategy.consensus_every, churn=churn,
@@ -229,8 +237,29 @@ def _streaming(strategy: DictConfig, inner_steps: int, per_worker: list[int], mo
             "bounds": fragment_bounds(sizes, fragments), "fragment_update_alpha": alpha}
 
 
-def _churn(cfg: DictConfig, workers: int, rounds: int) -> ChurnSchedule | None:
+def _device(name: str) -> torch.device:
+    """``sim.device``, refused with the reason when it is not there."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"sim.device={name!r} is not a device: use cpu, cuda or cuda:<index>") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"sim.device={name!r} but no CUDA device is available here: use sim.device=cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"sim.device={name!r} but only {torch.cuda.device_count()} CUDA devices are visible")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"sim.device={name!r}: the simulator runs on cpu or cuda")
+    return device
+
+
+def _churn(cfg: DictConfig, network: Any, workers: int, rounds: int) -> ChurnSchedule | None:
     sim = cfg.sim
+    preemption = None if network is None else network.preemption
+    if preemption is not None and sim.down_fraction != 0:
+        raise ValueError(f"the network has preemption ({preemption!r}) and sim.down_fraction={sim.down_fraction} "
+                         "also asks for churn: give one (network.preemption=null, or sim.down_fraction=0)")
+    if preemption is not None:
+        return ChurnSchedule.from_preemption(preemption, workers=workers, rounds=rounds)
     if sim.down_fraction == 0:
         return None
     return ChurnSchedule(workers=workers, rounds=rounds, down_fraction=sim.down_fraction,
@@ -273,7 +302,8 @@ def _record(cfg: DictConfig, simulator: Simulator, parts: dict[str, Any], result
         "seed": cfg.seed,
         "metrics_csv": METRICS_CSV,
         "sim": {"workers": workers, "goodput": result["goodput"], "estimated_bytes": parts["estimated_bytes"],
-                "down_fraction": cfg.sim.down_fraction, "worker_steps_per_s": workers * steps / result["wall_time_s"],
+                "down_fraction": cfg.sim.down_fraction if parts["churn"] is None else parts["churn"].down_fraction,
+                "joins": result["joins"], "device": str(cfg.sim.device), "worker_steps_per_s": workers * steps / result["wall_time_s"],
                 "sim_time_max": max(simulator.clocks.times()) if simulator.clocks.enabled else None},
     }
 

@@ -37,12 +37,26 @@ Cost models (all times in seconds; B a link's bytes/s, a its latency, N the mess
   several peers finishes at the latest of its exchanges. An all-reduce ends for everyone
   at the largest clock + its cost. With overlap, an exchange posted at the end of a round
   runs while the next round computes: ``clock = max(clock, exchange end)`` on completion.
+* Sites (:meth:`NetworkModel.sites`): k sites, each with its own WAN uplink to a backbone; between
+  sites a and b the bandwidth is ``min(uplink_a, uplink_b)`` and the latency the sum of theirs, and
+  every exchange leaving a site shares that site's uplink.
+
+Scenarios beyond links (the presets ``conf/network/<name>.yaml``):
+
+* :class:`ComputeJitter` (``network=jitter``): every inner step's time times a heavy-tailed noise
+  and transient 2-5x slowdowns of a few rounds, a pure function of (seed, rank, step).
+* :class:`Preemption` (``network=preemption``): workers that leave with notice and come back; only
+  the simulator's churn honours it, and a static strategy's clock refuses it.
+* Cluster presets scale in proportion (``scale_to``, :func:`scaled_sizes`) to the run's worker count.
 """
 
 from __future__ import annotations
 
 
 from gasloc_lightning.network.clock import SimulatedClock, Throttle, round_pairs
-from gasloc_lightning.network.model import BYTES_PER_GBIT, NetworkModel
+from gasloc_lightning.network.jitter import ComputeJitter
+from gasloc_lightning.network.model import BYTES_PER_GBIT, NetworkModel, scaled_sizes
+from gasloc_lightning.network.preemption import Preemption
 
-__all__ = ["BYTES_PER_GBIT", "NetworkModel", "SimulatedClock", "Throttle", "round_pairs"]
+__all__ = ["BYTES_PER_GBIT", "ComputeJitter", "NetworkModel", "Preemption", "SimulatedClock", "Throttle",
+           "round_pairs", "scaled_sizes"]

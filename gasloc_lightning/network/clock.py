@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from gasloc_lightning.network.model import NetworkModel, Pair, _HasMixingWeights, _pair
@@ -20,15 +20,26 @@ class SimulatedClock:
     Args:
         network: the modelled network and compute.
         rank: this worker's rank in [0, n).
+        membership: ``"static"`` (every worker stays: a network with ``preemption`` is refused) or ``"elastic"``
+            (an engine that honours the network's preemption, such as the simulator's churn).
     """
 
-    def __init__(self, network: NetworkModel, *, rank: int) -> None:
+    def __init__(self, network: NetworkModel, *, rank: int, membership: str = "static") -> None:
         if not isinstance(network, NetworkModel):
             raise ValueError(f"network must be a NetworkModel, got {type(network).__name__}")
+        if membership not in ("static", "elastic"):
+            raise ValueError(f"membership must be 'static' or 'elastic', got {membership!r}")
+        if network.preemption is not None and membership == "static":
+            raise ValueError(
+                f"the network has preemption ({network.preemption!r}): workers that leave and come back need elastic "
+                "membership, which this engine does not have (every worker stays for the whole run). Simulate it "
+                "with gasloc-sim (network=preemption), or run gasloc-elastic with 'elastic.chaos=[term:W@S,"
+                "restart:W@S2]'; or drop it: network.preemption=null")
         self._network = network
         self._rank = network._rank(rank)
         self._time = 0.0
         self._compute_time = 0.0
+        self._steps = 0  # inner steps taken: the index of the next step's jitter
         self._posted_at: float | None = None
 
     def __repr__(self) -> str:
@@ -57,7 +68,12 @@ class SimulatedClock:
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-        elapsed = steps * self._network.step_time(self._rank)
+        network, first = self._network, self._steps
+        if network.compute_jitter is None:
+            elapsed = steps * network.step_time(self._rank)
+        else:
+            elapsed = sum(network.step_time(self._rank, step) for step in range(first, first + steps))
+        self._steps += steps
         self._time += elapsed
         self._compute_time += elapsed
         return self._time
@@ -103,15 +119,16 @@ class SimulatedClock:
         self._time = max(self._time, end)
         return self._time
 
-    def all_reduce(self, *, max_clock: float, nbytes: float | None = None) -> float:
-        """An all-reduce (DiLoCo's per round): ``time = max clock + all_reduce_time(nbytes)``.
+    def all_reduce(self, *, max_clock: float, nbytes: float | None = None, ranks: Sequence[int] | None = None) -> float:
+        """An all-reduce (DiLoCo's per round): ``time = max clock + all_reduce_time(nbytes, ranks)``.
 
         Args:
-            max_clock: the largest clock over all ranks when the all-reduce starts.
+            max_clock: the largest clock over the taking part ranks when the all-reduce starts.
             nbytes: bytes of the reduced vector; default the network's ``message_bytes()``.
+            ranks: the ranks taking part (default all; the live ones under churn).
         """
         start = max(self._time, _finite("max_clock", max_clock))
-        self._time = start + self._network.all_reduce_time(self._nbytes(nbytes))
+        self._time = start + self._network.all_reduce_time(self._nbytes(nbytes), ranks)
         return self._time
 
     def ddp_step(self, *, nbytes: float | None = None) -> float:
@@ -124,9 +141,10 @@ class SimulatedClock:
         Args:
             nbytes: gradient bytes; default the network's ``message_bytes()``.
         """
-        network = self._network
-        slowest = max(network.step_time(r) for r in range(network.world_size))
-        self._compute_time += network.step_time(self._rank)
+        network, step = self._network, self._steps  # every rank is at the same step under DDP
+        slowest = max(network.step_time(r, step) for r in range(network.world_size))
+        self._compute_time += network.step_time(self._rank, step)
+        self._steps += 1
         self._time += slowest + network.all_reduce_time(self._nbytes(nbytes))
         return self._time
 
@@ -142,6 +160,7 @@ class SimulatedClock:
             "time": self._time,
             "compute_time": self._compute_time,
             "posted_at": self._posted_at,
+            "steps": self._steps,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -150,6 +169,7 @@ class SimulatedClock:
             raise ValueError(f"state_dict is of rank {state['rank']}, this clock is rank {self._rank}")
         self._time = _finite("time", state["time"])
         self._compute_time = _finite("compute_time", state["compute_time"])
+        self._steps = int(state.get("steps", 0))  # clocks saved before the jitter had no step count
         posted = state["posted_at"]
         self._posted_at = None if posted is None else _finite("posted_at", posted)
 

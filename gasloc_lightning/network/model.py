@@ -7,6 +7,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from gasloc_lightning.network.jitter import ComputeJitter
+from gasloc_lightning.network.preemption import Preemption
 from gasloc_lightning.network.validation import _positive, _non_negative, _positive_finite, _positive_int, _rows, _table, _cluster_assignment, _membership, _cluster_table, _speeds, _sequence
 
 # Bytes per second in one Gbit/s.
@@ -47,6 +49,13 @@ class NetworkModel:
         throttle: real seconds each worker sleeps per simulated second it spends off compute
             (communicating, or waiting for peers), >= 0. 0 (the default) never sleeps; 1 makes a
             run feel the modelled network in real time; e.g. 0.01 for a demo. See :class:`Throttle`.
+        compute_jitter: per-step noise and transient slowdowns of the step time
+            (:class:`~gasloc_lightning.network.ComputeJitter`); None: every step takes ``step_time(rank)``.
+        preemption: workers that leave and come back (:class:`~gasloc_lightning.network.Preemption`); only
+            engines with elastic membership honour it (the simulator); a static strategy's clock refuses it.
+        uplinks: the off-diagonal links are each cluster's own uplink to a backbone (:meth:`sites`): every
+            exchange leaving a cluster shares that cluster's uplink, whichever cluster it goes to. False: each
+            pair of clusters has its own link.
     """
 
     def __init__(
@@ -60,6 +69,9 @@ class NetworkModel:
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
         throttle: float = 0.0,
+        compute_jitter: ComputeJitter | None = None,
+        preemption: Preemption | None = None,
+        uplinks: bool = False,
     ) -> None:
         k = len(_rows("bandwidth_gbps", bandwidth_gbps))
         self._clusters = _cluster_assignment(clusters, k)
@@ -71,6 +83,13 @@ class NetworkModel:
         self._bytes_per_parameter = _positive_int("bytes_per_parameter", bytes_per_parameter)
         self._step_time_s = _positive_finite("step_time_s", step_time_s)
         self._throttle = _non_negative("throttle", throttle)
+        if compute_jitter is not None and not isinstance(compute_jitter, ComputeJitter):
+            raise ValueError(f"compute_jitter must be a ComputeJitter or None, got {type(compute_jitter).__name__}")
+        if preemption is not None and not isinstance(preemption, Preemption):
+            raise ValueError(f"preemption must be a Preemption or None, got {type(preemption).__name__}")
+        if not isinstance(uplinks, bool):
+            raise ValueError(f"uplinks must be a bool, got {uplinks!r}")
+        self._jitter, self._preemption, self._uplinks = compute_jitter, preemption, uplinks
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -85,6 +104,8 @@ class NetworkModel:
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
         throttle: float = 0.0,
+        compute_jitter: ComputeJitter | None = None,
+        preemption: Preemption | None = None,
     ) -> NetworkModel:
         """Every pair of the n workers joined by the same link; one cluster.
 
@@ -92,7 +113,8 @@ class NetworkModel:
             world_size: n, >= 1.
             bandwidth_gbps: every link's bandwidth, Gbit/s, > 0.
             latency_s: every link's latency, seconds, >= 0.
-            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle: as for the class.
+            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle, compute_jitter, preemption: as for
+                the class.
         """
         n = _positive_int("world_size", world_size)
         return cls(
@@ -104,6 +126,8 @@ class NetworkModel:
             bytes_per_parameter=bytes_per_parameter,
             step_time_s=step_time_s,
             throttle=throttle,
+            compute_jitter=compute_jitter,
+            preemption=preemption,
         )
 
     @classmethod
@@ -117,11 +141,14 @@ class NetworkModel:
         sizes: Sequence[int] | None = None,
         assignment: Sequence[int] | None = None,
         world_size: int | None = None,
+        scale_to: int | None = None,
         speeds: Sequence[float] | None = None,
         model_parameters: int = DEFAULT_MODEL_PARAMETERS,
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
         throttle: float = 0.0,
+        compute_jitter: ComputeJitter | None = None,
+        preemption: Preemption | None = None,
     ) -> NetworkModel:
         """Workers in k clusters (data centres): fast links inside, slower ones between.
 
@@ -137,8 +164,13 @@ class NetworkModel:
             sizes: ranks per cluster, each >= 1.
             assignment: cluster index of every rank, using every index in [0, k).
             world_size: n, optional; when given it must equal the number of ranks described.
-            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle: as for the class.
+            scale_to: the preset scaled to this many ranks (None: as described): every cluster of ``sizes``
+                grows or shrinks in proportion (:func:`scaled_sizes`), and ``speeds`` follow (the rank at
+                position p of a cluster of m takes the speed of position ``p * m0 // m`` of the described one).
+            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle, compute_jitter, preemption: as for
+                the class.
         """
+        sizes, speeds = _scaled(sizes, assignment, speeds, scale_to)
         members = _membership(sizes, assignment, world_size)
         k = max(members) + 1
         bandwidth = _cluster_table("intra_gbps", intra_gbps, "inter_gbps", inter_gbps, k)
@@ -152,6 +184,70 @@ class NetworkModel:
             bytes_per_parameter=bytes_per_parameter,
             step_time_s=step_time_s,
             throttle=throttle,
+            compute_jitter=compute_jitter,
+            preemption=preemption,
+        )
+
+    @classmethod
+    def sites(
+        cls,
+        *,
+        sizes: Sequence[int],
+        uplink_gbps: Sequence[float],
+        uplink_latency_s: float | Sequence[float],
+        intra_gbps: float | Sequence[float],
+        intra_latency_s: float | Sequence[float],
+        scale_to: int | None = None,
+        speeds: Sequence[float] | None = None,
+        model_parameters: int = DEFAULT_MODEL_PARAMETERS,
+        bytes_per_parameter: int = 4,
+        step_time_s: float = DEFAULT_STEP_TIME_S,
+        throttle: float = 0.0,
+        compute_jitter: ComputeJitter | None = None,
+        preemption: Preemption | None = None,
+    ) -> NetworkModel:
+        """k sites, each with its own WAN uplink to a shared backbone (the backbone itself never limits).
+
+        Between sites a and b a message crosses a's uplink and b's: bandwidth ``min(uplink_a, uplink_b)``,
+        latency ``uplink_latency_a + uplink_latency_b``; every exchange leaving a site shares that site's
+        uplink (``uplinks=True``), whichever site it goes to.
+
+        Args:
+            sizes: workers per site, each >= 1 (contiguous rank blocks).
+            uplink_gbps: each site's uplink bandwidth, Gbit/s, > 0.
+            uplink_latency_s: each site's latency to the backbone (one value or one per site), seconds.
+            intra_gbps, intra_latency_s: links inside a site (one value or one per site).
+            scale_to, speeds, model_parameters, bytes_per_parameter, step_time_s, throttle, compute_jitter,
+                preemption: as for :meth:`clusters`.
+        """
+        sizes, speeds = _scaled(sizes, None, speeds, scale_to)
+        k = len(sizes)
+        up = _sequence("uplink_gbps", uplink_gbps)
+        if len(up) != k:
+            raise ValueError(f"uplink_gbps must have one bandwidth per site ({k}), got {uplink_gbps!r}")
+        up = [_positive(f"uplink_gbps[{a}]", b) for a, b in enumerate(up)]
+        lat = [uplink_latency_s] * k if not isinstance(uplink_latency_s, Sequence) else _sequence(
+            "uplink_latency_s", uplink_latency_s)
+        if len(lat) != k:
+            raise ValueError(f"uplink_latency_s must be a number or one latency per site ({k}), got {uplink_latency_s!r}")
+        lat = [_non_negative(f"uplink_latency_s[{a}]", x) for a, x in enumerate(lat)]
+        members = _membership(sizes, None, None)
+        bandwidth = _cluster_table("intra_gbps", intra_gbps, "uplink_gbps",
+                                   [[min(up[a], up[b]) for b in range(k)] for a in range(k)], k)
+        latency = _cluster_table("intra_latency_s", intra_latency_s, "uplink_latency_s",
+                                 [[lat[a] + lat[b] for b in range(k)] for a in range(k)], k)
+        return cls(
+            bandwidth_gbps=bandwidth,
+            latency_s=latency,
+            clusters=members,
+            speeds=speeds,
+            model_parameters=model_parameters,
+            bytes_per_parameter=bytes_per_parameter,
+            step_time_s=step_time_s,
+            throttle=throttle,
+            compute_jitter=compute_jitter,
+            preemption=preemption,
+            uplinks=True,
         )
 
     @classmethod
@@ -165,6 +261,8 @@ class NetworkModel:
         bytes_per_parameter: int = 4,
         step_time_s: float = DEFAULT_STEP_TIME_S,
         throttle: float = 0.0,
+        compute_jitter: ComputeJitter | None = None,
+        preemption: Preemption | None = None,
     ) -> NetworkModel:
         """A dedicated link per pair of workers, from n x n symmetric matrices (diagonal ignored).
 
@@ -173,7 +271,8 @@ class NetworkModel:
         Args:
             bandwidth_gbps: n x n, Gbit/s, > 0 off the diagonal.
             latency_s: n x n, seconds, >= 0 off the diagonal.
-            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle: as for the class.
+            speeds, model_parameters, bytes_per_parameter, step_time_s, throttle, compute_jitter, preemption: as for
+                the class.
         """
         return cls(
             bandwidth_gbps=bandwidth_gbps,
@@ -183,6 +282,8 @@ class NetworkModel:
             bytes_per_parameter=bytes_per_parameter,
             step_time_s=step_time_s,
             throttle=throttle,
+            compute_jitter=compute_jitter,
+            preemption=preemption,
         )
 
     def __repr__(self) -> str:
@@ -223,6 +324,21 @@ class NetworkModel:
         return self._step_time_s
 
     @property
+    def compute_jitter(self) -> ComputeJitter | None:
+        """Per-step noise and slowdowns of the step time (None: none)."""
+        return self._jitter
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """Workers that leave and come back (None: every worker stays)."""
+        return self._preemption
+
+    @property
+    def uplinks(self) -> bool:
+        """Whether the off-diagonal links are each cluster's own uplink (shared by everything leaving it)."""
+        return self._uplinks
+
+    @property
     def throttle(self) -> float:
         """Real seconds slept per simulated second off compute (0: never)."""
         return self._throttle
@@ -259,9 +375,18 @@ class NetworkModel:
             raise ValueError(f"element_size must be a number of bytes > 0, got {element_size!r}")
         return math.ceil(self._model_parameters * element_size)
 
-    def step_time(self, rank: int) -> float:
-        """Modelled time of one inner step on ``rank``: ``step_time_s / speeds[rank]``."""
-        return self._step_time_s / self._speeds[self._rank(rank)]
+    def step_time(self, rank: int, step: int | None = None) -> float:
+        """Modelled time of one inner step on ``rank``: ``step_time_s / speeds[rank]``, times the jitter of
+        step ``step`` (counted from 0 on that rank) when the network has :attr:`compute_jitter`.
+
+        Args:
+            rank: the worker.
+            step: which of the rank's inner steps (None: the jitter-free time).
+        """
+        base = self._step_time_s / self._speeds[self._rank(rank)]
+        if step is None or self._jitter is None:
+            return base
+        return base * self._jitter.factor(rank, step)
 
     def auto_inner_steps(self, base_inner_steps: int) -> list[int]:
         """Inner steps H_i per rank in proportion to its speed, so every round takes the same time.
@@ -307,7 +432,8 @@ class NetworkModel:
         return counts
 
     def concurrent_flows(self, pairs: Iterable[Pair]) -> dict[Pair, int]:
-        """Flows sharing each exchange's bottleneck: its inter-cluster link or either end's NIC.
+        """Flows sharing each exchange's bottleneck: its inter-cluster link (with ``uplinks``: the busier of the
+        two clusters' uplinks) or either end's NIC.
 
         Args:
             pairs: every exchange of the round, as rank pairs.
@@ -321,10 +447,15 @@ class NetworkModel:
         for i, j in pairs:
             degree[i] += 1
             degree[j] += 1
+        leaving = [0] * self.num_clusters  # uplinks: exchanges through each cluster's uplink
+        for (a, b), count in links.items():
+            leaving[a] += count
+            leaving[b] += count
         flows = {}
         for i, j in pairs:
             a, b = sorted((self.cluster_of(i), self.cluster_of(j)))
-            flows[(i, j)] = max(degree[i], degree[j], links.get((a, b), 1))
+            shared = links.get((a, b), 1) if not self._uplinks or a == b else max(leaving[a], leaving[b])
+            flows[(i, j)] = max(degree[i], degree[j], shared)
         return flows
 
     # ------------------------------------------------------------------ all-reduce
@@ -344,7 +475,7 @@ class NetworkModel:
             return 0.0
         return 2 * (m - 1) * self._ring_step_time(ring, nbytes / m)
 
-    def hierarchical_all_reduce_time(self, nbytes: float) -> float:
+    def hierarchical_all_reduce_time(self, nbytes: float, ranks: Sequence[int] | None = None) -> float:
         """Reduce-scatter inside clusters, all-reduce across clusters, all-gather inside.
 
         The inside stages take the slowest cluster's ``(m_c - 1)`` steps of ``nbytes / m_c``
@@ -353,18 +484,19 @@ class NetworkModel:
 
         Args:
             nbytes: bytes of the vector every rank contributes, >= 0.
+            ranks: the ranks taking part (default all; the live ones under churn).
         """
         nbytes = _non_negative("nbytes", nbytes)
-        members = self._members()
+        members = self._members(ranks)
         inside = max(self._ring_step_time(m, nbytes / len(m)) * (len(m) - 1) for m in members)
         k = len(members)
         leaders = [m[0] for m in members]
         across = 2 * (k - 1) * self._ring_step_time(leaders, nbytes / k) if k > 1 else 0.0
         return 2 * inside + across
 
-    def all_reduce_time(self, nbytes: float) -> float:
-        """The cheaper of the ring and the hierarchical all-reduce of ``nbytes``."""
-        return min(self.ring_all_reduce_time(nbytes), self.hierarchical_all_reduce_time(nbytes))
+    def all_reduce_time(self, nbytes: float, ranks: Sequence[int] | None = None) -> float:
+        """The cheaper of the ring and the hierarchical all-reduce of ``nbytes`` over ``ranks`` (default all)."""
+        return min(self.ring_all_reduce_time(nbytes, ranks), self.hierarchical_all_reduce_time(nbytes, ranks))
 
     # ------------------------------------------------------------------ helpers
     def _rank(self, rank: int) -> int:
@@ -379,10 +511,11 @@ class NetworkModel:
             raise ValueError(f"pairs must not repeat an exchange, got {sorted(out)}")
         return out
 
-    def _members(self) -> list[list[int]]:
+    def _members(self, ranks: Sequence[int] | None = None) -> list[list[int]]:
         members: list[list[int]] = [[] for _ in range(self.num_clusters)]
-        for rank, cluster in enumerate(self._clusters):
-            members[cluster].append(rank)
+        chosen = range(self.world_size) if ranks is None else sorted({self._rank(r) for r in ranks})
+        for rank in chosen:
+            members[self._clusters[rank]].append(rank)
         return [m for m in members if m]
 
     def _ring_step_time(self, ring: Sequence[int], chunk: float) -> float:
@@ -404,3 +537,44 @@ def _pair(network: NetworkModel, pair: object) -> Pair:
     if i == j:
         raise ValueError(f"a pair must join two different ranks, got ({i}, {j})")
     return (min(i, j), max(i, j))
+
+
+def scaled_sizes(sizes: Sequence[int], world_size: int) -> list[int]:
+    """``sizes`` scaled in proportion to sum to ``world_size`` (largest remainder, every cluster keeps >= 1).
+
+    Args:
+        sizes: the described clusters' sizes, each >= 1.
+        world_size: the ranks to spread, >= len(sizes).
+    """
+    blocks = [_positive_int(f"sizes[{c}]", s) for c, s in enumerate(_sequence("sizes", sizes))]
+    n = _positive_int("scale_to", world_size)
+    if n < len(blocks):
+        raise ValueError(f"scale_to={n} cannot hold the preset's {len(blocks)} clusters (one rank each at least)")
+    total = sum(blocks)
+    exact = [n * b / total for b in blocks]
+    out = [max(1, math.floor(x)) for x in exact]
+    by_remainder = sorted(range(len(blocks)), key=lambda c: (-(exact[c] - math.floor(exact[c])), c))
+    for c in by_remainder[: max(0, n - sum(out))]:
+        out[c] += 1
+    while sum(out) > n:  # only when the floor of 1 pushed a small cluster up: take from the largest
+        out[max(range(len(out)), key=lambda c: out[c])] -= 1
+    return out
+
+
+def _scaled(sizes: Sequence[int] | None, assignment: Sequence[int] | None, speeds: Sequence[float] | None,
+            scale_to: int | None) -> tuple[Sequence[int] | None, Sequence[float] | None]:
+    """``sizes`` and per-rank ``speeds`` of a preset scaled to ``scale_to`` ranks (unchanged when None or equal)."""
+    if scale_to is None:
+        return sizes, speeds
+    if sizes is None or assignment is not None:
+        raise ValueError("scale_to needs the clusters given as sizes (contiguous rank blocks), not an assignment")
+    old = [_positive_int(f"sizes[{c}]", s) for c, s in enumerate(_sequence("sizes", sizes))]
+    new = scaled_sizes(old, scale_to)
+    if new == old or speeds is None:
+        return new, speeds
+    values = _sequence("speeds", speeds)
+    if len(values) != sum(old):
+        raise ValueError(f"speeds must have one factor per described worker ({sum(old)}), got {len(values)}")
+    starts = [sum(old[:c]) for c in range(len(old))]
+    scaled = [values[starts[c] + p * old[c] // new[c]] for c in range(len(old)) for p in range(new[c])]
+    return new, scaled

@@ -5,7 +5,8 @@ Layer: beside ``strategies/``. It uses ``algorithm`` (the outer step), ``topolog
 overlapped gossip), ``models`` and ``data``; never the strategies or the app.
 """
 
-from gasloc_lightning.sim.checks import check_memory, estimate_bytes, resolve_outer_momentum
+from gasloc_lightning.sim.checks import (check_memory, estimate_bytes, resolve_outer_momentum,
+                                         resolve_outer_momentum_for_sizes)
 from gasloc_lightning.sim.churn import ChurnEvent, ChurnSchedule
 from gasloc_lightning.sim.cohorts import CohortReplicas
 from gasloc_lightning.sim.data import ShardedBatches
@@ -16,5 +17,5 @@ from gasloc_lightning.sim.rounds import DiLoCoRounds, GossipRounds, WorkerClocks
 __all__ = [
     "ChurnEvent", "ChurnSchedule", "CohortReplicas", "DiLoCoRounds", "GossipRounds", "ShardedBatches", "Simulator",
     "StackedReplicas", "WorkerClocks", "check_memory", "estimate_bytes", "parameter_count",
-    "resolve_outer_momentum", "round_peers",
+    "resolve_outer_momentum", "resolve_outer_momentum_for_sizes", "round_peers",
 ]

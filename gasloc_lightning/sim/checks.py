@@ -29,6 +29,29 @@ def resolve_outer_momentum(
         raise ValueError(f"sim.workers={workers} has no valid {topology.name!r} topology: {error}") from error
 
 
+def resolve_outer_momentum_for_sizes(
+    topology: Topology, sizes: list[int], requested: float | None, outer_form: str, overlap: bool,
+    delayed_weight: float,
+) -> float:
+    """gamma for every live-set size in ``sizes`` (a churn schedule's): the requested value, or the smallest of the
+    topology's defaults; refused unless it contracts at every size, as the elastic mode checks every quorum size.
+
+    Raises:
+        ValueError: the topology cannot have one of the sizes, or gamma does not contract at one of them.
+    """
+    sizes = sorted({m for m in sizes if m > 1})
+    if not sizes:
+        return 0.0 if requested is None else float(requested)
+    gammas = [resolve_outer_momentum(topology, m, requested, outer_form, overlap, delayed_weight) for m in sizes]
+    gamma = min(gammas)
+    for m in sizes:  # the smallest default must contract at every size too (the topology's own rules apply)
+        try:
+            topology.resolve_momentum(m, gamma, outer_form, overlap, delayed_weight=delayed_weight)
+        except ValueError as error:
+            raise ValueError(f"under churn {m} workers are live in some round: {error}") from error
+    return gamma
+
+
 def estimate_bytes(*, workers: int, parameters: int, batch_size: int, block_size: int, n_layer: int,
                    n_embd: int, n_head: int, vocab_size: int) -> int:
     """Rough peak bytes of one simulated step: model-size state per replica plus the activations kept

@@ -35,11 +35,12 @@ class CohortReplicas:
         self.module, self.inner_steps, self.workers = module, list(inner_steps), len(inner_steps)
         self.cohorts: list[tuple[int, Tensor, StackedReplicas]] = []
         for steps in sorted(set(inner_steps)):
-            index = torch.tensor([i for i, h in enumerate(inner_steps) if h == steps])
+            index = torch.tensor([i for i, h in enumerate(inner_steps) if h == steps])  # ids: stays on the host
             stack = StackedReplicas(module=module, workers=len(index), optimizer_factory=optimizer_factory,
                                     lr_schedule=lr_schedule, gradient_clip_val=gradient_clip_val)
             self.cohorts.append((steps, index, stack))
-        self.flat = torch.empty(self.workers, self.cohorts[0][2].numel)  # (n, P) in worker order
+        first = self.cohorts[0][2].flat
+        self.flat = torch.empty(self.workers, first.shape[1], device=first.device)  # (n, P) in worker order
         self.gather()
 
     @property
@@ -58,12 +59,30 @@ class CohortReplicas:
         """Workers whose optimizer step of this loop step is applied (step_in_round counts from 0)."""
         return [i for i, h in enumerate(self.inner_steps) if step_in_round < h]
 
-    def train_step(self, x: Tensor, y: Tensor, step_in_round: int) -> Tensor:
-        """One loop step of every worker: (n, B, T) batches -> (n,) losses."""
-        losses = torch.empty(self.workers)
+    def train_step(self, x: Tensor, y: Tensor, step_in_round: int, rows: list[int] | None = None) -> Tensor:
+        """One loop step of the workers in ``rows`` (default all): (m, B, T) batches -> (m,) losses; the others
+        compute nothing."""
+        rows = list(range(self.workers)) if rows is None else rows
+        position = {worker: k for k, worker in enumerate(rows)}
+        losses = torch.empty(len(rows), device=x.device)
         for steps, index, stack in self.cohorts:
-            losses[index] = stack.step(x[index], y[index], apply=step_in_round < steps)
+            members = [(local, position[int(w)]) for local, w in enumerate(index.tolist()) if int(w) in position]
+            if not members:
+                stack.idle_step()
+                continue
+            batch = torch.as_tensor([k for _, k in members], device=x.device)
+            local = [i for i, _ in members]
+            losses[batch] = stack.step(x[batch], y[batch], apply=step_in_round < steps,
+                                       rows=None if len(local) == stack.workers else local)
         return losses
+
+    @property
+    def numel(self) -> int:
+        return self.cohorts[0][2].numel
+
+    def optimizer_state_bytes(self, worker: int) -> int:
+        stack, i = self._locate(worker)
+        return stack.optimizer_state_bytes(i)
 
     @torch.no_grad()
     def gather(self) -> Tensor:

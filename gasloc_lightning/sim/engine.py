@@ -93,6 +93,7 @@ class Simulator:
         self.consensus_distance: float | None = None
         self._last_train_loss = float("nan")
         self._live = list(range(self.workers)) if churn is None else list(churn.live(0))
+        self.joins = 0  # workers that joined (each pulled join_state_bytes from a live peer)
         self._start = time.perf_counter()
 
     @property
@@ -114,7 +115,7 @@ class Simulator:
         self.finish()
         return {"final": final, "rounds": self.round_index, "steps": self.step,
                 "wall_time_s": time.perf_counter() - self._start, "bytes_sent": self.bytes_sent_mean,
-                "goodput": 1.0 if self.churn is None else self.churn.goodput()}
+                "goodput": 1.0 if self.churn is None else self.churn.goodput(), "joins": self.joins}
 
     def train(self) -> dict[str, float]:
         """The training loop (steps, rounds, validations); returns the last validation's metrics."""
@@ -145,12 +146,13 @@ class Simulator:
         return step == self.max_steps or (interval is not None and step % interval == 0)
 
     def _inner_step(self, step: int, step_in_round: int) -> None:
-        x, y = self.batches.next_batch()  # (n, B, T)
-        losses = self.replicas.train_step(x, y, step_in_round)
+        # Down workers compute nothing: no batch drawn (their samplers stand still), no pass, no time.
+        rows = None if len(self._live) == self.workers else self._live
+        x, y = self.batches.next_batch(rows)  # (m, B, T), the live workers' batches
+        losses = self.replicas.train_step(x, y, step_in_round, rows=rows)  # (m,)
         applied = set(self.replicas.applies(step_in_round))
         self.clocks.advance_compute([i for i in self._live if i in applied])  # a step not applied takes no time
-        live_losses = losses[torch.as_tensor(self._live)]
-        self._last_train_loss = float(live_losses.mean())
+        self._last_train_loss = float(losses.mean())
         row = {"train/loss": self._last_train_loss, "lr": self.replicas.lr}
         if self.clocks.enabled:
             row["sim_time"] = self.clocks.times()[0]
@@ -187,10 +189,19 @@ class Simulator:
             return
         event = self.churn.events[self.round_index]
         for worker, source in event.joins.items():
+            state_bytes = self.join_state_bytes(source)
+            self.batches.restart(worker)  # a fresh process: its sampler starts afresh
             self.replicas.copy_worker(source, worker)
-            self.rounds.join(worker, source)
-            self.clocks.join(worker, source)
+            self.rounds.join(worker, source, state_bytes)
+            self.clocks.join(worker, source, state_bytes / (4 * self.replicas.numel))
+            self.joins += 1
         self._live = list(event.live)
+
+    def join_state_bytes(self, source: int) -> int:
+        """Bytes a joiner pulls from ``source``, as the elastic mode sends them: the live point, the outer state
+        (round start and anchor) and the inner optimizer state (AdamW: two moments and step counts), float32."""
+        outer = getattr(self.rounds, "outer_state_copies", 2)
+        return 4 * self.replicas.numel * (1 + outer) + self.replicas.optimizer_state_bytes(source)
 
     def _print_progress(self) -> None:
         if not self.progress_every or self.round_index % self.progress_every:
@@ -200,16 +211,19 @@ class Simulator:
         log.info("round=%d step=%d/%d alive=%d/%d loss=%.4f%s wall=%.1fs", self.round_index, self.step,
                  self.max_steps, len(self._live), self.workers, loss, clock, time.perf_counter() - self._start)
 
+    def _live_index(self) -> torch.Tensor:
+        return torch.as_tensor(self._live, device=self.replicas.gather().device)
+
     @torch.no_grad()
     def consensus_point(self) -> torch.Tensor:
         """The average of the live replicas' points, (P,)."""
-        index = torch.as_tensor(self._live)
+        index = self._live_index()
         return self.replicas.gather().index_select(0, index).sum(dim=0).div_(len(self._live))
 
     @torch.no_grad()
     def measure_consensus_distance(self) -> float:
         """(1/m) sum_i ||theta_i - mean theta||^2 over the live workers."""
-        index = torch.as_tensor(self._live)
+        index = self._live_index()
         points = self.replicas.gather().index_select(0, index)
         return float((points - self.consensus_point()).pow(2).sum().double()) / len(self._live)
 

@@ -75,7 +75,8 @@ class StackedReplicas:
         self.gradient_clip_val = gradient_clip_val
         named = _unique_named_parameters(module)
         self.numel = sum(p.numel() for _, p in named)
-        self.flat = torch.empty(workers, self.numel, dtype=torch.float32)  # (n, P): row i is theta_i
+        device = named[0][1].device if named else torch.device("cpu")  # the module's device: every tensor goes there
+        self.flat = torch.empty(workers, self.numel, dtype=torch.float32, device=device)  # (n, P): row i is theta_i
         self.params: dict[str, nn.Parameter] = {}
         self._slices: dict[str, tuple[int, int, torch.Size]] = {}
         offset = 0
@@ -112,9 +113,10 @@ class StackedReplicas:
         """Workers whose step is applied: all of them (one H for every replica here)."""
         return list(range(self.workers))
 
-    def train_step(self, x: Tensor, y: Tensor, step_in_round: int) -> Tensor:
-        """One loop step of every replica (the protocol :class:`~gasloc_lightning.sim.cohorts.CohortReplicas` shares)."""
-        return self.step(x, y)
+    def train_step(self, x: Tensor, y: Tensor, step_in_round: int, rows: list[int] | None = None) -> Tensor:
+        """One loop step of the replicas in ``rows`` (default all; the protocol
+        :class:`~gasloc_lightning.sim.cohorts.CohortReplicas` shares): (m, B, T) batches -> (m,) losses."""
+        return self.step(x, y, rows=rows)
 
     def gather(self) -> Tensor:
         """The (n, P) points (they live in ``flat`` already)."""
@@ -127,45 +129,64 @@ class StackedReplicas:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _chunks(self) -> list[slice]:
-        return [slice(lo, min(lo + self.chunk_size, self.workers)) for lo in range(0, self.workers, self.chunk_size)]
+    def _chunks(self, rows: list[int] | None = None) -> list[tuple[slice | Tensor, slice]]:
+        """``(replica rows, batch rows)`` of every chunk: slices when every replica computes, an index of the
+        computing replicas otherwise (down workers compute nothing)."""
+        count = self.workers if rows is None else len(rows)
+        spans = [slice(lo, min(lo + self.chunk_size, count)) for lo in range(0, count, self.chunk_size)]
+        if rows is None or rows == list(range(self.workers)):
+            return [(span, span) for span in spans]
+        index = torch.as_tensor(rows, device=self.flat.device)
+        return [(index[span], span) for span in spans]
 
     @torch.no_grad()
-    def losses(self, x: Tensor, y: Tensor) -> Tensor:
-        """Each replica's mean cross-entropy on its own batch: (n, B, T) ids and targets -> (n,)."""
-        return torch.cat([self._loss_fn({name: p[rows] for name, p in self.params.items()}, x[rows], y[rows])
-                          for rows in self._chunks()])
+    def losses(self, x: Tensor, y: Tensor, rows: list[int] | None = None) -> Tensor:
+        """Each replica's mean cross-entropy on its own batch: (m, B, T) ids and targets -> (m,), for the
+        replicas in ``rows`` (default all)."""
+        return torch.cat([self._loss_fn({name: p[part] for name, p in self.params.items()}, x[batch], y[batch])
+                          for part, batch in self._chunks(rows)])
 
-    def _backward(self, x: Tensor, y: Tensor) -> Tensor:
-        """Losses and gradients, chunk by chunk: each chunk's gradients land in its rows of ``p.grad``."""
+    def _backward(self, x: Tensor, y: Tensor, rows: list[int] | None = None) -> Tensor:
+        """Losses and gradients, chunk by chunk: each chunk's gradients land in its rows of ``p.grad``; the rows
+        of replicas that do not compute get zero gradients."""
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        losses = torch.empty(self.workers)
-        for rows in self._chunks():
-            leaves = {name: p.detach()[rows].requires_grad_() for name, p in self.params.items()}
-            chunk = self._loss_fn(leaves, x[rows], y[rows])  # (rows,)
+            elif rows is not None:
+                p.grad.zero_()
+        losses = torch.empty(self.workers if rows is None else len(rows), device=self.flat.device)
+        for part, batch in self._chunks(rows):
+            leaves = {name: p.detach()[part].requires_grad_() for name, p in self.params.items()}
+            chunk = self._loss_fn(leaves, x[batch], y[batch])  # (rows,)
             # Replicas are independent: row i's gradient of the sum is that of loss i.
             grads = torch.autograd.grad(chunk.sum(), list(leaves.values()), allow_unused=True)
             for p, grad in zip(self.params.values(), grads):
-                if grad is None:
-                    p.grad[rows].zero_()
-                else:
-                    p.grad[rows].copy_(grad)
-            losses[rows] = chunk.detach()
+                if grad is not None and isinstance(part, slice):
+                    p.grad[part].copy_(grad)
+                elif grad is not None:
+                    p.grad.index_copy_(0, part, grad)
+                elif isinstance(part, slice):
+                    p.grad[part].zero_()
+            losses[batch] = chunk.detach()
         return losses
 
-    def step(self, x: Tensor, y: Tensor, apply: bool = True) -> Tensor:
-        """One inner step of every replica on its own batch; returns the (n,) losses (detached).
+    def step(self, x: Tensor, y: Tensor, apply: bool = True, rows: list[int] | None = None) -> Tensor:
+        """One inner step of the replicas in ``rows`` (default all) on their own batches; returns their (m,) losses
+        (detached).
+
+        Replicas outside ``rows`` (down workers) compute nothing: no forward or backward pass, zero gradients.
+        The optimizer still steps their rows (their parameters and moments decay under a zero gradient); nothing
+        reads them before a join overwrites them with a live peer's.
 
         Args:
-            x, y: (n, B, T) token ids and next-token targets, row i for replica i.
+            x, y: (m, B, T) token ids and next-token targets, row k for replica ``rows[k]``.
             apply: False computes the losses only (a worker past its H_i in this round).
+            rows: the computing replicas, in increasing order (None: all n).
         """
         if not apply:
-            losses = self.losses(x, y)
+            losses = self.losses(x, y, rows)
         else:
-            losses = self._backward(x, y)  # (n,); every row of every p.grad is written
+            losses = self._backward(x, y, rows)  # (m,); every row of every p.grad is written
             if self.gradient_clip_val is not None:
                 self._clip_per_replica(self.gradient_clip_val)
             self.optimizer.step()
@@ -197,6 +218,22 @@ class StackedReplicas:
             for value in state.values():
                 if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.workers:
                     torch.nan_to_num_(value[worker], nan=0.0, posinf=0.0, neginf=0.0)
+
+    def optimizer_state_bytes(self, worker: int) -> int:
+        """Bytes of one worker's inner optimizer state (its rows of the moments, and the shared step counts)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == self.workers:
+                    total += value[worker].numel() * value.element_size()
+                elif isinstance(value, Tensor):
+                    total += value.numel() * value.element_size()
+        return total
+
+    def idle_step(self) -> None:
+        """A loop step in which none of these replicas computes: only the learning-rate schedule moves."""
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def state_bytes(self) -> int:
         """Bytes of the parameters, gradients and optimizer state held now."""

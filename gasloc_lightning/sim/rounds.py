@@ -28,7 +28,9 @@ class WorkerClocks:
 
     def __init__(self, network: NetworkModel | None, workers: int) -> None:
         self.network = network
-        self.clocks = [] if network is None else [SimulatedClock(network, rank=i) for i in range(workers)]
+        # "elastic": the simulator's churn honours the network's preemption (a static strategy's clock refuses it)
+        self.clocks = [] if network is None else [SimulatedClock(network, rank=i, membership="elastic")
+                                                  for i in range(workers)]
         self._posted: dict[int, float] = {}
         self._pending: tuple[dict[int, dict[int, float]], list[tuple[int, int]], int] | None = None
 
@@ -70,7 +72,7 @@ class WorkerClocks:
         latest = max(self.clocks[i].time for i in live)
         nbytes = None if element_size is None else self.network.message_bytes(element_size=element_size)
         for i in live:
-            self.clocks[i].all_reduce(max_clock=latest, nbytes=nbytes)
+            self.clocks[i].all_reduce(max_clock=latest, nbytes=nbytes, ranks=live)  # the live ring only
 
     def all_reduce_posted(self, live: Sequence[int], element_size: float | None, fraction: float) -> float:
         """An all-reduce of ``fraction`` of the model posted now by the live workers: the time it ends
@@ -78,17 +80,22 @@ class WorkerClocks:
         if not self.enabled:
             return 0.0
         latest = max(self.clocks[i].time for i in live)
-        return latest + self.network.all_reduce_time(self.network.message_bytes(element_size=element_size) * fraction)
+        nbytes = self.network.message_bytes(element_size=element_size) * fraction
+        return latest + self.network.all_reduce_time(nbytes, ranks=live)
 
     def wait_until(self, live: Sequence[int], end: float) -> None:
         if self.enabled:
             for i in live:
                 self.clocks[i].follow(end)
 
-    def join(self, worker: int, source: int) -> None:
-        """A joining worker starts at its source peer's time."""
+    def join(self, worker: int, source: int, state_fraction: float = 0.0) -> None:
+        """A joining worker starts when its source peer's state has reached it: the source's time plus the
+        transfer of ``state_fraction`` modelled models (float32) over their link; the source goes on (it serves
+        the state in the background, as torchft's transport does)."""
         if self.enabled:
-            self.clocks[worker].follow(self.clocks[source].time)
+            nbytes = self.network.message_bytes() * state_fraction
+            transfer = self.network.pairwise_time(source, worker, nbytes) if source != worker else 0.0
+            self.clocks[worker].follow(self.clocks[source].time + transfer)
 
 
 def round_peers(topology: Topology, live: Sequence[int], round_index: int) -> dict[int, dict[int, float]]:
@@ -98,6 +105,11 @@ def round_peers(topology: Topology, live: Sequence[int], round_index: int) -> di
         return {i: {} for i in live}
     return {live[k]: {live[j]: w for j, w in topology.mixing_weights(k, m, round_index).items()}
             for k in range(m)}
+
+
+def _index(live: Sequence[int], like: Tensor) -> Tensor:
+    """The live workers' ids as an index on ``like``'s device."""
+    return torch.as_tensor(list(live), device=like.device)
 
 
 def _pairs(peers: dict[int, dict[int, float]]) -> list[tuple[int, int]]:
@@ -181,7 +193,7 @@ class GossipRounds:
     def _post_fragment(self, flat: Tensor, fragment: int, live: Sequence[int]) -> None:
         part, round_ = self.slices[fragment], self.fragments[fragment]
         u = self._sent[fragment].copy_(flat[:, part])
-        index = torch.as_tensor(list(live))
+        index = _index(live, flat)
         if not bool(torch.isfinite(u.index_select(0, index)).all()):
             raise FloatingPointError(f"fragment {fragment} of a live worker is not finite")
         round_.begin(u)
@@ -190,7 +202,7 @@ class GossipRounds:
             mean = u.index_select(0, index).sum(dim=0).div_(len(live))
             u[index] = mean
             round_.mixed[index] = mean
-            self.bytes_sent[index] += ring_all_reduce_bytes(u.shape[1] * 4, len(live))
+            self.bytes_sent[list(live)] += ring_all_reduce_bytes(u.shape[1] * 4, len(live))
             end = self.clocks.all_reduce_posted(live, None, share)
             self._fragment_in_flight[fragment] = ("all_reduce", list(live), end)
             return
@@ -215,7 +227,7 @@ class GossipRounds:
                     round_.apply_correction(u, row=i)
             self.clocks.complete()
         round_.finish(u)
-        index = torch.as_tensor(live)
+        index = _index(live, flat)
         flat[index, part] = torch.lerp(u.index_select(0, index), flat[index, part], self.alpha)
 
     @torch.no_grad()
@@ -281,11 +293,11 @@ class GossipRounds:
         self.clocks.post(live, peers, _pairs(peers), wire_bytes)
 
     def _all_reduce(self, flat: Tensor, live: Sequence[int]) -> None:
-        index = torch.as_tensor(list(live))
+        index = _index(live, flat)
         mean = flat.index_select(0, index).sum(dim=0).div_(len(live))  # as the all-reduce: a sum, then / n
         flat[index] = mean
         self.round.mixed[index] = mean
-        self.bytes_sent[index] += ring_all_reduce_bytes(flat.shape[1] * 4, len(live))
+        self.bytes_sent[list(live)] += ring_all_reduce_bytes(flat.shape[1] * 4, len(live))
         self.clocks.all_reduce(live)
 
     @torch.no_grad()
@@ -305,11 +317,15 @@ class GossipRounds:
         """A discarded round: ``worker``'s point goes back to its round start."""
         flat[worker].copy_(self.outer.round_start[worker])
 
+    #: Model-sized float32 tensors of the outer state a joiner receives (round start and anchor).
+    outer_state_copies = 2
+
     @torch.no_grad()
-    def join(self, worker: int, source: int) -> None:
-        """A joining worker takes its source peer's outer state (round start and anchor)."""
+    def join(self, worker: int, source: int, state_bytes: float) -> None:
+        """A joining worker takes its source peer's outer state (round start and anchor); the source sends
+        ``state_bytes`` (the whole state the elastic mode transfers: see :meth:`Simulator.join_state_bytes`)."""
         self.round.join(worker, source)
-        self.bytes_sent[worker] += self.outer.round_start.shape[1] * 4 * 2  # the state it was sent
+        self.bytes_sent[source] += state_bytes
 
 
 class DiLoCoRounds:
@@ -347,14 +363,14 @@ class DiLoCoRounds:
     def round_start(self) -> Tensor:
         return self.round.round_start
 
-    def _mean(self, delta: Tensor, index: Tensor) -> Tensor:
+    def _mean(self, delta: Tensor, live: Sequence[int]) -> Tensor:
         """The live workers' mean of ``delta`` (m, size), as the strategy's (quantized) all-reduce computes it."""
         m, size = delta.shape
         if self.message_codec == "float32" or m == 1:
-            self.bytes_sent[index] += ring_all_reduce_bytes(size * 4, m)
+            self.bytes_sent[list(live)] += ring_all_reduce_bytes(size * 4, m)
             return delta.sum(dim=0).div_(m)
         encoded = self._means.setdefault((m, size), EncodedMean(self.message_codec, size, m))
-        self.bytes_sent[index] += 2 * (m - 1) * encoded.chunk_wire
+        self.bytes_sent[list(live)] += 2 * (m - 1) * encoded.chunk_wire
         return encoded.mean(delta)
 
     @torch.no_grad()
@@ -364,14 +380,14 @@ class DiLoCoRounds:
             return False
         leaving, landing = self.points.leaving(step_in_round), self.points.landing(step_in_round)
         if leaving is not None:
-            index = torch.as_tensor(list(live))
+            index = _index(live, flat)
             delta = self.streaming.prepare(leaving, flat.index_select(0, index))  # (m, size)
             quantized = self.message_codec != "float32"
             size = codec_bytes_per_element(self.message_codec, delta.shape[1]) if quantized else None
             end = self.clocks.all_reduce_posted(live, size, delta.shape[1] / flat.shape[1])
             if quantized:  # the encoded all-reduce blocks: nothing hides under compute
                 self.clocks.wait_until(live, end)
-            self._in_flight[leaving] = (self._mean(delta, index), list(live), end)
+            self._in_flight[leaving] = (self._mean(delta, live), list(live), end)
         if landing is not None:
             self._land(flat, landing)
         return landing is not None
@@ -379,7 +395,7 @@ class DiLoCoRounds:
     def _land(self, flat: Tensor, fragment: int) -> None:
         mean, live, end = self._in_flight.pop(fragment)
         self.clocks.wait_until(live, end)
-        index = torch.as_tensor(live)
+        index = _index(live, flat)
         rows = flat.index_select(0, index)
         if not (torch.isfinite(mean).all() and torch.isfinite(rows).all()):
             raise FloatingPointError(f"fragment {fragment} is not finite (streamed rounds cannot discard a round)")
@@ -390,9 +406,9 @@ class DiLoCoRounds:
     def communicate(self, flat: Tensor, round_index: int, live: Sequence[int]) -> None:
         if self.streaming is not None:
             return  # every fragment landed during the round
-        index = torch.as_tensor(list(live))
+        index = _index(live, flat)
         delta = self.round.pseudo_gradient(flat.index_select(0, index))  # (m, P) pseudo-gradients
-        mean = self._mean(delta, index)
+        mean = self._mean(delta, live)
         flat[index] = self.round.step(mean)
         quantized = self.message_codec != "float32"
         self.clocks.all_reduce(live, element_size=codec_bytes_per_element(self.message_codec, flat.shape[1])
@@ -408,5 +424,12 @@ class DiLoCoRounds:
         """A discarded round: ``worker``'s point goes back to the shared round start."""
         flat[worker].copy_(self.round.round_start)
 
-    def join(self, worker: int, source: int) -> None:
-        """The round start is shared: a joining worker needs only the live point (copied by the caller)."""
+    #: Model-sized float32 tensors of the outer state a joiner receives: the elastic mode's DiLoCo is GASLoC over
+    #: the complete graph, whose outer state (round start and anchor) goes to a joiner (here it is shared: nothing
+    #: to copy, but the bytes are what the elastic mode sends).
+    outer_state_copies = 2
+
+    def join(self, worker: int, source: int, state_bytes: float) -> None:
+        """The round start is shared: a joining worker needs only the live point (copied by the caller); the source
+        sends ``state_bytes``."""
+        self.bytes_sent[source] += state_bytes
