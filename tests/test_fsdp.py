@@ -7,6 +7,7 @@ and sends 1/k of the model.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -247,3 +248,48 @@ def test_validate_after_a_sharded_fit_evaluates_the_consensus_it_returned(tmp_pa
     fresh_port()
     validated = trainer.validate(model, verbose=False)[0]["val/loss"]
     assert validated == pytest.approx(fitted, rel=1e-6)
+
+
+class CheckShardedByBlock(Callback):
+    """Every rank records which of the language model's modules FSDP2 shards as units of their own."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        from torch.distributed.fsdp import FSDPModule
+
+        network = pl_module.model
+        record = {"blocks": [isinstance(block, FSDPModule) for block in network.shard_blocks()],
+                  "root": isinstance(network, FSDPModule),
+                  "all_sharded": all(isinstance(p, torch.distributed.tensor.DTensor) for p in network.parameters()),
+                  "loss": float(trainer.callback_metrics["train/loss"])}
+        torch.save(record, Path(self.out_dir) / f"blocks{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("network", ["gpt", "llama"])
+def test_the_apps_language_models_shard_by_block(tmp_path, fresh_port, network):
+    from dist_utils import write_text_corpus
+    from gasloc_lightning.data import ByteDataModule
+    from gasloc_lightning.models import HFCausalLMConfig, LanguageModel
+
+    if network == "llama":
+        pytest.importorskip("transformers")
+        config = HFCausalLMConfig(model_type="llama", block_size=16, overrides={
+            "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 16, "tie_word_embeddings": True})
+    else:
+        config = {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16}
+    data = ByteDataModule(source=write_text_corpus(tmp_path / "corpus"), block_size=16, batch_size=4,
+                          cache_dir=tmp_path / "cache", samples_per_epoch=16, val_fraction=0.2)
+    strategy = GASLoCStrategy(inner_steps=2, ranks_per_worker=K, intra_worker="fsdp", start_method="fork",
+                              gossip_timeout=120.0)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=4, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         use_distributed_sampler=False, limit_val_batches=0, default_root_dir=tmp_path,
+                         callbacks=[CheckShardedByBlock(str(tmp_path))])
+    trainer.fit(LanguageModel(model=config), data)
+    for rank in range(WORLD):
+        record = torch.load(tmp_path / f"blocks{rank}.pt", weights_only=True)
+        assert record["blocks"] == [True, True] and record["root"] and record["all_sharded"]
+        assert math.isfinite(record["loss"])

@@ -121,7 +121,9 @@ class HFCausalLM(nn.Module):
     def shard_blocks(self) -> list[nn.Module]:
         """The decoder layers (the classes transformers names in ``_no_split_modules``), sharded one by one."""
         names = set(getattr(self.network, "_no_split_modules", None) or ())
-        return [module for module in self.network.modules() if type(module).__name__ in names]
+        # by the classes' whole lineage: once sharded, a layer's class is FSDP2's subclass of it
+        return [module for module in self.network.modules()
+                if any(cls.__name__ in names for cls in type(module).__mro__)]
 
     def forward(self, idx: Tensor) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits."""

@@ -111,7 +111,7 @@ class WorkerGroups:
         for tensor in tensors:
             dist.broadcast(tensor, src=leader, group=self.group)
 
-    def all_agree(self, flag: bool, device) -> bool:
+    def all_agree(self, flag: bool, device: torch.device) -> bool:
         """Whether ``flag`` holds on every rank of this worker (a collective inside a sharded worker)."""
         if not self.sharded or self.group is None:
             return flag
