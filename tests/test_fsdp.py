@@ -201,7 +201,7 @@ def test_sharded_run_resumes_exactly_and_exports_the_whole_consensus(tmp_path, f
         for key in ("params", "optimizer_state", "outer", "strategy"):
             _assert_equal(a[key], b[key], f"rank {rank} {key}")
     report = export_consensus(tmp_path / "ck", tmp_path / "consensus.ckpt")
-    assert report["workers"] == WORLD // K
+    assert report["replicas"] == WORLD // K
     exported = torch.load(tmp_path / "consensus.ckpt", weights_only=True)["state_dict"]
     workers = [saved[0]["params"], saved[K]["params"]]  # each worker's whole replica at the save
     assert exported.keys() == workers[0].keys()

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointFormatError as error:
         parser.exit(2, f"gasloc-export: error: {error}\n")
     print(
-        f"averaged {report['workers']} replicas ({report['world_size']} rank files) into {args.output} "
+        f"averaged {report['replicas']} replicas ({report['world_size']} rank files) into {args.output} "
         f"(consensus distance averaged away: {report['consensus_distance']:.6g})"
     )
     return 0

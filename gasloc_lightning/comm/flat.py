@@ -93,11 +93,6 @@ class FlatLayout:
     def numel(self) -> int:
         return self.num_parameter_elements + self.num_buffer_elements
 
-    @property
-    def global_numel(self) -> int:
-        """Elements of the whole model's message (the sum over a worker's shards when sharded)."""
-        return sum(p.numel() for p in self.parameters) + self.num_buffer_elements
-
     def _describe(self, module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
         exchanged = {id(t) for t in self._tensors}
         named = list(module.named_parameters()) + list(module.named_buffers())

@@ -247,16 +247,16 @@ def export_consensus(
     ``torch.load(...)["state_dict"]``. Floating tensors are averaged; integer ones (step counters)
     are taken from rank 0. DDP inside a worker stores its replica once per rank: the mean is the same.
 
+    A sharded run (``intra_worker="fsdp"``) is assembled first: each worker's k rank files hold one shard of its
+    replica each, put together in shard order, so the result is the whole model.
+
     Args:
         directory, output: the per-rank checkpoint directory and the file to write (local paths or URLs).
         weights_only: False lets the files run code while loading: only for files you trust.
         storage_options: fsspec options for both paths.
 
-    A sharded run (``intra_worker="fsdp"``) is assembled first: each worker's k rank files hold one shard of its
-    replica each, put together in shard order, so the result is the whole model.
-
     Returns:
-        ``{"world_size", "workers", "consensus_distance"}``: the ranks and replicas read, and the mean squared
+        ``{"world_size", "replicas", "consensus_distance"}``: the rank files and replicas read, and the mean squared
         distance of the replicas to the average, over floating tensors, that the export averaged away.
     """
     world_size = read_meta(directory, storage_options)["world_size"]
@@ -264,24 +264,24 @@ def export_consensus(
     first = load_rank_checkpoint(directory, 0, world_size, **options)
     ranks = [first] + [load_rank_checkpoint(directory, r, world_size, **options) for r in range(1, world_size)]
     states = _replicas(ranks)
-    workers = len(states)
+    replicas = len(states)
     average = {}
     distance = 0.0
     for name, reference in states[0].items():
         if not torch.is_floating_point(reference):
             average[name] = reference.clone()
             continue
-        stacked = torch.stack([s[name].double() for s in states])  # (workers, ...)
+        stacked = torch.stack([s[name].double() for s in states])  # (replicas, ...)
         mean = stacked.mean(0)
-        distance += float(((stacked - mean) ** 2).sum()) / workers
+        distance += float(((stacked - mean) ** 2).sum()) / replicas
         average[name] = mean.to(reference.dtype)
     exported = {k: v for k, v in first.items() if k in ("epoch", "global_step", "pytorch-lightning_version",
                                                          "hyper_parameters", "hparams_name")}
     exported["state_dict"] = average
-    exported["gasloc_export"] = {"source": os.fspath(directory), "world_size": world_size, "workers": workers,
+    exported["gasloc_export"] = {"source": os.fspath(directory), "world_size": world_size, "replicas": replicas,
                                  "consensus_distance": distance}
     save_file(exported, output, storage_options)
-    return {"world_size": world_size, "workers": workers, "consensus_distance": distance}
+    return {"world_size": world_size, "replicas": replicas, "consensus_distance": distance}
 
 
 def _replicas(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
