@@ -149,7 +149,7 @@ def test_a_flap_during_a_transfer_delays_it_and_the_exchange_still_completes(tmp
 def test_two_site_elastic_run_with_a_partition_every_worker_ends_on_one_model(tmp_path, cache_dir):
     output = tmp_path / "run"
     command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *FAST, "network=two_clusters",
-               "elastic.min_workers=2", "netlab.faults=[partition:1@15:6]", f"output_dir={output}",
+               "netlab.faults=[partition:1@15:6]", f"output_dir={output}",
                f"cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=380, env=clean_env())
     tail = result.stdout[-4000:] + result.stderr[-3000:]
@@ -163,8 +163,9 @@ def test_two_site_elastic_run_with_a_partition_every_worker_ends_on_one_model(tm
     assert [w["status"] for w in rows["workers"]] == ["finished"] * 4, tail
     assert [w["final_step"] for w in rows["workers"]] == [MAX_STEPS] * 4, tail
     assert len({w["model_checksum"] for w in rows["workers"]}) == 1, rows["workers"]
-    cut_off = [read_progress(output / f"worker_{w}") for w in (2, 3)]
-    assert all(p["failed_exchanges"] + p["failed_collectives"] >= 1 or len(p["healed_rounds"]) > 1 for p in cut_off), cut_off
+    assert "elastic.min_workers 2 -> 3" in result.stdout, tail  # a majority: only one side may train
+    progress = [read_progress(output / f"worker_{w}") for w in range(4)]
+    assert sum(p["failed_exchanges"] + p["failed_collectives"] for p in progress) >= 1, progress  # it cut a round
 
 
 @pytest.mark.timeout(300)

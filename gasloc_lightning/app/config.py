@@ -254,6 +254,7 @@ class NetlabSchema:
     bandwidth_scale: float = 0.01
     faults: List[str] = field(default_factory=list)
     flap_period_s: float = 1.0
+    majority_quorum: bool = True
     lighthouse_port: int = 29510
     clock_bytes: Optional[int] = None
     clock_repeats: int = 3

@@ -138,6 +138,14 @@ def _elastic(cfg: DictConfig, lab: Lab, faults: list) -> dict[str, Any]:
     elastic_cfg.elastic.bind = lab.plan.addresses[0]
     elastic_cfg.elastic.advertise = None
     elastic_cfg.elastic.lighthouse_port = cfg.elastic.lighthouse_port or cfg.netlab.lighthouse_port
+    majority = cfg.elastic.workers // 2 + 1
+    if cfg.netlab.majority_quorum and cfg.elastic.min_workers < majority:
+        # Two sides of a partition can each hold min_workers <= W/2 and each form quorums of their own (torchft's
+        # lighthouse keeps no side out): they train apart and end on two models. A majority keeps it to one side.
+        print(f"netlab: elastic.min_workers {cfg.elastic.min_workers} -> {majority}, a majority of the "
+              f"{cfg.elastic.workers} workers (netlab.majority_quorum=true): one side of a partition trains",
+              flush=True)
+        elastic_cfg.elastic.min_workers = majority
     schedule = FaultSchedule(faults, lab, flap_period_s=cfg.netlab.flap_period_s)
 
     def on_poll(run: ElasticRun) -> None:
@@ -165,7 +173,8 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
     """One ``gasloc-train`` process per rank in its site, as torchrun starts them: ``trainer.num_nodes=N`` of one
     device, ``NODE_RANK``/``LOCAL_RANK``/``MASTER_ADDR`` in the environment, gloo bound to the site's link."""
     world, plan = int(cfg.trainer.devices), lab.plan
-    overrides = [o for o in _task_overrides() if not o.startswith(("netlab.", "elastic.", "output_dir=",
+    # The lab's links replace the simulated network (~network), whose clock would count one rank per process.
+    overrides = [o for o in _task_overrides() if not o.startswith(("netlab.", "elastic.", "output_dir=", "network=",
                                                                    "trainer.devices=", "trainer.num_nodes="))]
     base = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     processes: list[subprocess.Popen] = []
@@ -176,7 +185,7 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
                    "WORLD_SIZE": str(world), "NODE_RANK": str(rank), "LOCAL_RANK": "0", "RANK": str(rank),
                    "GLOO_SOCKET_IFNAME": SITE_DEVICE, LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": "1"}
             command = [sys.executable, "-m", "gasloc_lightning.app.train", *overrides, f"output_dir={run_dir}",
-                       "trainer.devices=1", f"trainer.num_nodes={world}", "hydra.output_subdir=null",
+                       "trainer.devices=1", f"trainer.num_nodes={world}", "~network", "strategy.start_method=popen", "hydra.output_subdir=null",
                        f"hydra.run.dir={run_dir}"]
             with open(run_dir / f"rank_{rank}.log", "ab") as log_file:
                 processes.append(subprocess.Popen(lab.wrap(command, plan.worker_sites[rank]), env=env,
@@ -187,7 +196,7 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
     wall_s = time.monotonic() - started
     print(f"netlab: {world} ranks exited {codes} after {wall_s:.1f}s", flush=True)
     if any(code != 0 for code in codes):
-        raise RuntimeError(f"gasloc-netlab: rank(s) {[r for r, c in enumerate(codes) if c != 0]} failed; see "
+        raise RuntimeError(f"rank(s) {[r for r, c in enumerate(codes) if c != 0]} failed; see "
                            f"{run_dir}/rank_<R>.log")
     return {"wall_s": wall_s, "exit_codes": codes}
 
@@ -261,6 +270,9 @@ def main(cfg: DictConfig) -> None:
     except ElasticInterrupted as interrupted:
         print(interrupted, file=sys.stderr, flush=True)
         raise SystemExit(128 + interrupted.signum) from None
+    except (RuntimeError, TimeoutError) as error:  # a worker or rank failed: named, with where its log is
+        print(f"gasloc-netlab: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except (KeyboardInterrupt, _Signalled) as interrupted:
         print(f"gasloc-netlab: interrupted ({interrupted or 'SIGINT'}); the lab is removed", file=sys.stderr,
               flush=True)

@@ -1,0 +1,90 @@
+"""Claim 3 on real links: wall-clock time to plain DiLoCo's final loss, 8 workers in two sites behind one link.
+
+``python -m gasloc_lightning.netlab.claim3 --seeds 0 1 2 --out DIR`` (as root) runs, per seed, ``gasloc-netlab
+netlab.mode=train`` (the static strategies, one process per rank in its site of ``two_clusters``) for each
+method of :data:`METHODS`, then reads each run's ``metrics.csv``: the target is DiLoCo's final validation loss of
+the same seed, and a method's time is ``progress/wall_time_s`` (from the fit's start: process start-up is left
+out) at its first validation at or below it. DiLoCo runs ``--steps``, the others 1.5x as many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BASE = ["experiment=demo", "network=two_clusters", "netlab.mode=train", "trainer.devices=8",
+        "trainer.enable_progress_bar=false", "trainer.val_check_interval=10", "data.val_batches=4"]
+METHODS = {
+    "diloco": ["strategy=diloco"],
+    "gasloc spread+overlap+bf16": ["strategy=gasloc", "topology=bandwidth_aware", "topology.sizes=[4,4]",
+                                   "topology.schedule=spread", "overlap=true", "strategy.message_codec=bfloat16",
+                                   "strategy.outer_momentum=0.7"],
+    "streaming diloco (F=4, overlap, int4)": ["strategy=diloco", "strategy.fragments=4", "strategy.overlap=true",
+                                              "strategy.message_codec=int4"],
+}
+
+
+def curve(metrics_csv: Path) -> list[tuple[int, float, float]]:
+    """(step, wall seconds, validation loss) at every validation of a run's ``metrics.csv``."""
+    wall: dict[int, float] = {}
+    losses: list[tuple[int, float]] = []
+    with open(metrics_csv) as handle:
+        for row in csv.DictReader(handle):
+            step = int(float(row["step"]))
+            if row.get("progress/wall_time_s"):
+                wall[step] = float(row["progress/wall_time_s"])
+            if row.get("val/loss"):
+                losses.append((step, float(row["val/loss"])))
+    points = []
+    for step, loss in losses:
+        known = [s for s in wall if s <= step]
+        if known:
+            points.append((step, wall[max(known)], loss))
+    return points
+
+
+def time_to(points: list[tuple[int, float, float]], target: float) -> float | None:
+    return next((seconds for _, seconds, loss in points if loss <= target + 1e-9), None)
+
+
+def run_method(name: str, seed: int, steps: int, scale: float, folder: Path) -> list[tuple[int, float, float]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *BASE, *METHODS[name], f"seed={seed}",
+               f"trainer.max_steps={steps}", f"netlab.bandwidth_scale={scale}", f"output_dir={folder}",
+               f"hydra.run.dir={folder}"]
+    with open(folder / "netlab.log", "w") as log_file:
+        code = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=1800).returncode
+    if code != 0:
+        raise RuntimeError(f"{name} seed {seed} failed ({code}); see {folder}/netlab.log")
+    return curve(folder / "csv" / "metrics.csv")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=100, help="DiLoCo's steps (the others run 1.5x)")
+    parser.add_argument("--scale", type=float, default=0.002, help="netlab.bandwidth_scale (0.002: 2 Mbit/s)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    results = []
+    for seed in args.seeds:
+        reference = run_method("diloco", seed, args.steps, args.scale, args.out / f"seed{seed}" / "diloco")
+        target, diloco_s = reference[-1][2], reference[-1][1]
+        for name in args.methods:
+            points = reference if name == "diloco" else run_method(
+                name, seed, int(1.5 * args.steps), args.scale, args.out / f"seed{seed}" / name.split()[0])
+            seconds = time_to(points, target)
+            results.append({"seed": seed, "method": name, "target": target, "seconds": seconds,
+                            "ratio": None if seconds is None else seconds / diloco_s, "final_loss": points[-1][2],
+                            "final_s": points[-1][1]})
+            print(json.dumps(results[-1]), flush=True)
+            (args.out / "claim3.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
