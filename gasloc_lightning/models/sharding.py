@@ -16,9 +16,13 @@ from torch.distributed.tensor import DTensor
 
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh dimension a module shards over: ``mesh["shards"]`` of a ``(workers, shards)`` mesh, else ``mesh``."""
+    """The mesh dimension a module shards over: ``shards`` of a GASLoC ``(workers, shards)`` mesh,
+    ``data_parallel`` of Lightning's ``ModelParallelStrategy`` mesh, else the whole mesh."""
     names = mesh.mesh_dim_names or ()
-    return mesh["shards"] if "shards" in names else mesh
+    for name in ("shards", "data_parallel"):
+        if name in names:
+            return mesh[name]
+    return mesh
 
 
 def is_sharded(module: nn.Module) -> bool:
