@@ -84,7 +84,7 @@ def _signals_raise() -> Iterator[None]:
 def network_of(cfg: DictConfig) -> NetworkModel:
     """The ``network=`` preset, built; a clear error without one."""
     if cfg.get("network") is None:
-        raise ValueError("gasloc-netlab needs a network preset: network=two_clusters, network=cloud_mix, ...")
+        raise ValueError("the lab needs a network preset: network=two_clusters, network=cloud_mix, ...")
     network = instantiate(cfg.network)
     if not isinstance(network, NetworkModel):
         raise ValueError(f"network= must build a NetworkModel, got {type(network).__name__}")

@@ -24,11 +24,11 @@ class LabError(RuntimeError):
 def check_can_build() -> None:
     """Raise :class:`LabError` unless this process can make namespaces (root with ``ip`` and ``tc``)."""
     if os.geteuid() != 0:
-        raise LabError("gasloc-netlab needs root: it creates network namespaces, veth links and tc shapers "
+        raise LabError("the lab needs root: it creates network namespaces, veth links and tc shapers "
                        "(run it as root, e.g. in a VM or container with CAP_NET_ADMIN and CAP_SYS_ADMIN)")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise LabError(f"gasloc-netlab needs iproute2's `{tool}` on PATH")
+            raise LabError(f"the lab needs iproute2's `{tool}` on PATH")
 
 
 def run(*args: str, check: bool = True) -> str:
