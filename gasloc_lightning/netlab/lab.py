@@ -165,15 +165,25 @@ class Lab:
 
     # ---------------------------------------------------------------- tear down
     def close(self) -> None:
-        """Kill what runs in the lab's namespaces (by pid), then delete them; safe to call twice."""
-        for ns in reversed(self.namespaces):
-            _kill_inside(ns)
-        for ns in reversed(self.namespaces):
-            try:
-                run("ip", "netns", "del", ns)
-            except LabError as error:
-                log.error("netlab: could not delete namespace %s: %s", ns, error)
-        self.namespaces = []
+        """Kill what runs in the lab's namespaces (by pid), then delete them; safe to call twice.
+
+        Ctrl-C, SIGTERM and SIGHUP are held while it runs (a second Ctrl-C must not leave half a lab), and
+        delivered once it is done."""
+        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
+        try:
+            for ns in reversed(self.namespaces):
+                _kill_inside(ns)
+            for ns in reversed(self.namespaces):
+                try:
+                    run("ip", "netns", "del", ns)
+                except LabError as error:
+                    log.error("netlab: could not delete namespace %s: %s", ns, error)
+            self.namespaces = []
+        finally:
+            if previous is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def _site(self, site: int) -> int:
         if isinstance(site, bool) or not isinstance(site, int) or not 0 <= site < self.plan.sites:
