@@ -76,9 +76,9 @@ class RecordRun(Callback):
             "message_numel": strategy.layout.numel,
             "parameter_numel": strategy.layout.num_parameter_elements,
             "optimizer_numel": _numel(strategy.optimizer_state(trainer.optimizers[0])["state"]),
-            "outer_numel": _numel(strategy.strategy_state_dict()["outer"]),
+            "outer_numel": _numel(strategy.strategy_state_dict().get("outer")),
             "optimizer_state": strategy.optimizer_state(trainer.optimizers[0])["state"],
-            "outer": strategy.strategy_state_dict()["outer"],
+            "outer": strategy.strategy_state_dict().get("outer"),
             "strategy": {k: v for k, v in strategy.strategy_state_dict().items() if k not in ("outer", "counters")},
             "global_step": trainer.global_step,
             "sim_time": strategy.sim_time,
@@ -87,16 +87,17 @@ class RecordRun(Callback):
         torch.save(record, Path(self.out_dir) / f"rank{trainer.global_rank}.pt")
 
 
-def _fit(strategy, out: Path, max_steps: int = 9, callbacks=(), model=None, ckpt_path=None, **trainer_kwargs):
+def _fit(strategy, out: Path, max_steps: int = 9, callbacks=(), model=None, ckpt_path=None, devices=WORLD,
+         **trainer_kwargs):
     out.mkdir(parents=True, exist_ok=True)
     trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer_kwargs.setdefault("limit_val_batches", 0)
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=max_steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          default_root_dir=out, callbacks=[RecordRun(str(out)), *callbacks],
                          **trainer_kwargs)
     trainer.fit(model or ShardedRegressor(), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
 def _network():
@@ -221,10 +222,9 @@ def _elastic_strategy(**kwargs):
     (lambda: GASLoCStrategy(ranks_per_worker=2, intra_worker="zero"), "intra_worker"),
     (lambda: DiLoCoStrategy(ranks_per_worker=2, intra_worker="fsdp", worker_ddp_kwargs={"bucket_cap_mb": 1}),
      "worker_ddp_kwargs"),
-    (lambda: GASLoCStrategy(ranks_per_worker=2, intra_worker="fsdp", fragments=2).check_configuration(4),
-     "fragments"),
-    (lambda: DiLoCoStrategy(ranks_per_worker=2, intra_worker="fsdp", overlap=True).check_configuration(4),
-     "overlap"),
+    # fragments stream on shards; DDP inside a worker still refuses them, pointing at the sharded path
+    (lambda: GASLoCStrategy(ranks_per_worker=2, fragments=2).check_configuration(4), "intra_worker='fsdp'"),
+    (lambda: DiLoCoStrategy(ranks_per_worker=2, overlap=True).check_configuration(4), "intra_worker='fsdp'"),
     (lambda: _elastic_strategy(intra_worker="fsdp"), "elastic mode"),
 ])
 def test_what_sharded_workers_do_not_support_is_refused_by_name(build, message):
@@ -293,3 +293,39 @@ def test_the_apps_language_models_shard_by_block(tmp_path, fresh_port, network):
         record = torch.load(tmp_path / f"blocks{rank}.pt", weights_only=True)
         assert record["blocks"] == [True, True] and record["root"] and record["all_sharded"]
         assert math.isfinite(record["loss"])
+
+
+class WorkerDataRegressor(EvenRegressor):
+    """Every rank of a worker reads the worker's data: a worker of k ranks then takes the steps of a worker of one."""
+
+    def __init__(self, ranks_per_worker: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.ranks_per_worker = ranks_per_worker
+
+    def _data(self, split_seed: int):
+        worker = self.global_rank // self.ranks_per_worker
+        generator = torch.Generator().manual_seed(split_seed * 100 + worker)
+        x = torch.randn(self.hparams.batches * 4, 8, generator=generator)
+        y = x.sum(dim=1, keepdim=True) * (1 + worker) + 0.1 * torch.randn(len(x), 1, generator=generator)
+        return torch.utils.data.TensorDataset(x, y)
+
+
+@pytest.mark.parametrize("cls", [GASLoCStrategy, DiLoCoStrategy], ids=["gasloc", "diloco"])
+def test_streamed_fragments_of_sharded_workers_equal_one_rank_workers(tmp_path, fresh_port, cls):
+    """Fragments (F = 2, tau = 1) on shards: each rank streams its shard's fragments, cut between the same
+    parameters as the whole model's. With the worker's data on each of its ranks, 2 workers x 2 ranks follow
+    2 workers x 1 rank, and each shard's link carries half of the worker's bytes."""
+    hyper = {"inner_steps": 4, "fragments": 2, "fragment_sync_delay": 1, "start_method": "fork",
+             "gossip_timeout": 120.0, "consensus_every": 0, "outer_lr": 0.7, "outer_momentum": 0.5}
+    if cls is GASLoCStrategy:
+        hyper["topology"] = "one_peer"
+    fresh_port()
+    sharded = _fit(cls(ranks_per_worker=K, intra_worker="fsdp", **hyper), tmp_path / "sharded", max_steps=8,
+                   model=WorkerDataRegressor(ranks_per_worker=K))
+    fresh_port()
+    single = _fit(cls(**hyper), tmp_path / "single", max_steps=8, model=WorkerDataRegressor(), devices=WORLD // K)
+    for rank, shard in enumerate(sharded):
+        whole = single[rank // K]
+        for name, reference in whole["params"].items():
+            assert (shard["params"][name] - reference).norm() <= 1e-6 * reference.norm().clamp_min(1e-3), name
+        assert shard["bytes_sent"] * K == whole["bytes_sent"] > 0

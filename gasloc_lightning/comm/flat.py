@@ -36,12 +36,21 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from gasloc_lightning.algorithm.outer import all_finite
+from gasloc_lightning.algorithm.streaming import fragment_bounds
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
     """The part of ``tensor`` this rank holds: a ``DTensor``'s local shard (FSDP2 updates it in place, so it is
     the live storage), else the tensor's data."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor.data
+
+
+def _cumulative(sizes: Iterable[int]) -> list[int]:
+    total, ends = 0, []
+    for size in sizes:
+        total += size
+        ends.append(total)
+    return ends
 
 
 def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -182,6 +191,24 @@ class FlatLayout:
             torch._foreach_copy_(self._data(tensors), self._views(flat, tensors))
         for module in self._fsdp_modules:  # the next forward gathers the new shards
             module.reshard()
+
+    def fragment_bounds(self, fragments: int) -> list[tuple[int, int]]:
+        """F contiguous fragments of the parameter part, as element offsets in this layout's vector.
+
+        The cuts lie between whole tensors chosen by the tensors' whole sizes (not their shards'), so every
+        shard of a sharded worker, and an unsharded replica, cut between the same parameters.
+        """
+        whole = fragment_bounds([p.numel() for p in self.parameters], fragments)
+        offsets, local = {0: 0}, 0
+        for p, end in zip(self.parameters, _cumulative(p.numel() for p in self.parameters)):
+            local += local_tensor(p).numel()
+            offsets[end] = local
+        bounds = [(offsets[start], offsets[end]) for start, end in whole]
+        empty = [f for f, (start, end) in enumerate(bounds) if start == end]
+        if empty:
+            raise ValueError(f"fragments={fragments}: fragment(s) {empty} hold no element of this rank's shard (tensors "
+                             "smaller than the shard count); use fewer fragments")
+        return bounds
 
     def split(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         """The parameter and buffer parts of a flat vector (views)."""

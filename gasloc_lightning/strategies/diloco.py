@@ -28,7 +28,7 @@ from typing_extensions import override
 from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
 from gasloc_lightning.algorithm.fragments import FragmentPoints, resolve_points
 from gasloc_lightning.algorithm.round import DiLoCoRound, check_codec, codec_bytes_per_element
-from gasloc_lightning.algorithm.streaming import StreamingDiLoCoOuter, fragment_bounds
+from gasloc_lightning.algorithm.streaming import StreamingDiLoCoOuter
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 
 
@@ -119,10 +119,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
         super().check_configuration(world_size)
         if not self.streamed:
             return
-        if self.ranks_per_worker > 1:
+        if self.ranks_per_worker > 1 and not self.sharded:
             raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap with ranks_per_worker > 1 "
-                             "are not supported yet (the fragment all-reduce would run under the worker's DDP "
-                             "all-reduces): use ranks_per_worker=1")
+                             "and intra_worker='ddp' are not supported yet (the fragment all-reduce would run under the "
+                             "worker's DDP all-reduces): use ranks_per_worker=1, or intra_worker='fsdp'")
         if len({self._schedule.inner_steps(rank) for rank in range(world_size)}) > 1:
             raise ValueError("fragments, fragment_sync_delay, fragment_update_alpha and overlap need one inner_steps "
                              "for every worker (streamed rounds stay aligned)")
@@ -142,7 +142,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
         else:  # the fragments' outer states replace the whole model's
             if self._points is None:
                 self.check_configuration(self.world_size)
-            bounds = fragment_bounds([p.numel() for p in self.layout.parameters], self._fragments)
+            bounds = self.layout.fragment_bounds(self._fragments)  # a sharded worker: of its shard
             self._streaming = StreamingDiLoCoOuter(params, bounds=bounds, outer_lr=self._outer_lr,
                                                    outer_momentum=self._outer_momentum,
                                                    fragment_update_alpha=self._fragment_update_alpha)

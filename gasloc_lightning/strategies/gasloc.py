@@ -19,7 +19,6 @@ from gasloc_lightning.algorithm.outer import OuterState, validate_outer_hyperpar
 from gasloc_lightning.algorithm import fused as fused_kernels
 from gasloc_lightning.algorithm.fragments import FragmentPoints
 from gasloc_lightning.algorithm.round import GossipRound, all_finite, check_codec, wire_format
-from gasloc_lightning.algorithm.streaming import fragment_bounds
 from gasloc_lightning.network import round_pairs
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 from gasloc_lightning.algorithm.stability import SWITCHING_SAFE_MOMENTUM
@@ -191,8 +190,9 @@ class GASLoCStrategy(LocalStepsStrategy):
         if self._fragments is not None:
             if len({self._schedule.inner_steps(rank) for rank in range(world_size * self.ranks_per_worker)}) > 1:
                 raise ValueError("fragments need one inner_steps for every worker (streamed rounds stay aligned)")
-            if self.ranks_per_worker > 1:
-                raise ValueError("fragments with ranks_per_worker > 1 are not supported yet: use ranks_per_worker=1")
+            if self.ranks_per_worker > 1 and not self.sharded:  # a sharded worker streams each shard's fragments
+                raise ValueError("fragments with ranks_per_worker > 1 and intra_worker='ddp' are not supported yet: "
+                                 "use ranks_per_worker=1, or intra_worker='fsdp'")
             self._fragments.configure(self._schedule.round_length)
         if self._topology.uses_all_reduce and (self._overlap or self._message_codec != "float32"):
             raise ValueError(
@@ -252,7 +252,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         if self._fragments.points is None:
             self.check_configuration(self.world_size)
         self._fragments.build(
-            self.layout.read(), [p.numel() for p in self.layout.parameters], self.layout.num_parameter_elements,
+            self.layout.read(), self.layout.fragment_bounds(self._fragments.count), self.layout.num_parameter_elements,
             outer_lr=self._outer_lr, outer_momentum=self.outer_momentum, outer_form=self._outer_form,
             message_codec=self._message_codec, error_feedback=self._error_feedback,
             fused=False if self._topology.uses_all_reduce else None,
@@ -546,9 +546,10 @@ class FragmentGossip:
     def configure(self, inner_steps: int) -> None:
         self.points = FragmentPoints(inner_steps, self.count, self.delay)
 
-    def build(self, point: Tensor, parameter_sizes: list[int], num_parameters: int, **round_arguments: Any) -> None:
-        """One round per fragment over contiguous parameter ranges; the exchanged buffers ride with the last."""
-        bounds = fragment_bounds(parameter_sizes, self.count)
+    def build(self, point: Tensor, bounds: list[tuple[int, int]], num_parameters: int, **round_arguments: Any) -> None:
+        """One round per fragment over the parameter ranges ``bounds`` (F of them, covering the parameters in
+        order, see :meth:`~gasloc_lightning.comm.flat.FlatLayout.fragment_bounds`); the exchanged buffers ride with
+        the last."""
         self.slices = [slice(start, end if k < self.count - 1 else point.numel())
                        for k, (start, end) in enumerate(bounds)]
         self.rounds = [GossipRound(point[part], min(part.stop, num_parameters) - part.start, **round_arguments)
