@@ -69,8 +69,10 @@ class RecordRun(Callback):
     def on_train_end(self, trainer, pl_module):
         strategy = trainer.strategy
         state = strategy.full_state_dict()
+        # BatchNorm statistics differ by design: DDP broadcasts the leader's, a sharded worker keeps each rank's
+        params = {k: v.detach().clone() for k, v in state.items() if "running" not in k and "num_batches" not in k}
         record = {
-            "params": {k: v.detach().clone() for k, v in state.items() if "running" not in k and "num_batches" not in k},
+            "params": params,
             "round_index": strategy.round_index,
             "bytes_sent": strategy.bytes_sent,
             "message_numel": strategy.layout.numel,
