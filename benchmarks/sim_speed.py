@@ -5,10 +5,14 @@ Two measurements (issue 13's targets):
 1. At 8 workers: worker-steps per second of ``gasloc-train`` (8 processes) and of ``gasloc-sim``
    (one process) on the same config; target: the simulator at least 5x.
 2. At 256 workers: the simulator's seconds per step, projected to 1,000 steps; target: at most 30 min.
+3. ``--churn``: down workers cost no compute. The same simulated run with no worker down and with 20% of
+   them down in every round (a replayed membership, ``sim.live_by_round``: no joins, so only the compute
+   differs); target: the 20%-down run at least 1.2x faster (the ideal is 1 / 0.8 = 1.25x).
 
 Usage::
 
     python benchmarks/sim_speed.py --out benchmarks/results/sim_speed.json [--steps 20] [--big-steps 10]
+    python benchmarks/sim_speed.py --churn [--churn-workers 64] [--churn-steps 20]
 
 Each run is a subprocess of the real console scripts (``summary.json``'s ``wall_time_s`` is the
 training loop: the multi-process fit on rank 0, the simulator's loop); total wall times including
@@ -60,14 +64,34 @@ def measure(steps: int, big_steps: int, big_workers: int) -> dict:
     }
 
 
+def measure_churn(workers: int, steps: int, down_fraction: float = 0.2) -> dict:
+    """The simulator's training loop with no worker down and with ``down_fraction`` of them down every round."""
+    live = list(range(workers - round(down_fraction * workers)))
+    base = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "data.val_batches=1",
+            f"sim.workers={workers}", "sim.progress_every=0", "sim.min_live=1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        none = _run("gasloc-sim", base, Path(tmp) / "none")
+        down = _run("gasloc-sim", [*base, f"sim.live_by_round=[[{','.join(map(str, live))}]]"], Path(tmp) / "down")
+    return {"workers": workers, "steps": steps, "down_fraction": 1 - len(live) / workers,
+            "runs": {"none_down": none, "down": down},
+            "speedup_loop": none["loop_s"] / down["loop_s"], "speedup_total": none["total_s"] / down["total_s"],
+            "target_speedup": 1.2, "ideal_speedup": workers / len(live)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="steps of the 8-worker runs")
     parser.add_argument("--big-steps", type=int, default=10, help="steps of the large simulated run")
     parser.add_argument("--big-workers", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    parser.add_argument("--churn", action="store_true", help="measure only the cost of down workers (3. above)")
+    parser.add_argument("--churn-workers", type=int, default=64)
+    parser.add_argument("--churn-steps", type=int, default=20)
     args = parser.parse_args()
-    result = measure(args.steps, args.big_steps, args.big_workers)
+    if args.churn:
+        result = measure_churn(args.churn_workers, args.churn_steps)
+    else:
+        result = measure(args.steps, args.big_steps, args.big_workers)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

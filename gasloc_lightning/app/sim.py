@@ -22,7 +22,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import hydra
 import lightning.pytorch as pl
@@ -58,6 +58,8 @@ class SimSchema:
     shared_validation: validate on a single-worker run's windows, as gasloc-elastic does (false: the union of
     every worker's validation windows, as the strategies' consensus evaluation).
     A network with preemption (network=preemption) gives the churn schedule instead of down_fraction.
+    live_by_round: a recorded membership to replay, the live worker ids of every round (for instance the quorums
+    of a gasloc-elastic run); replaces down_fraction. Rounds past the list keep its last live set.
     """
 
     workers: int = 4
@@ -71,6 +73,7 @@ class SimSchema:
     attention_math: bool = True
     device: str = "cpu"
     shared_validation: bool = False
+    live_by_round: Optional[List[List[int]]] = None
 
 
 @dataclass
@@ -255,6 +258,13 @@ def _device(name: str) -> torch.device:
 def _churn(cfg: DictConfig, network: Any, workers: int, rounds: int) -> ChurnSchedule | None:
     sim = cfg.sim
     preemption = None if network is None else network.preemption
+    if sim.live_by_round is not None:
+        if preemption is not None or sim.down_fraction != 0:
+            raise ValueError("sim.live_by_round replays a membership: give no other churn (sim.down_fraction=0, "
+                             "network.preemption=null)")
+        recorded = [list(live) for live in sim.live_by_round]
+        recorded += [recorded[-1]] * max(0, rounds - len(recorded)) if recorded else []
+        return ChurnSchedule.replay(workers=workers, live_by_round=recorded[:rounds], min_live=sim.min_live)
     if preemption is not None and sim.down_fraction != 0:
         raise ValueError(f"the network has preemption ({preemption!r}) and sim.down_fraction={sim.down_fraction} "
                          "also asks for churn: give one (network.preemption=null, or sim.down_fraction=0)")
