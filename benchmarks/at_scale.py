@@ -1,19 +1,20 @@
-"""What GASLoC does at scale: the measurements behind docs/at_scale.md (issue 13).
+"""What GASLoC does at scale: the measurements behind docs/at_scale.md.
 
 Parts (``--part``):
 
 - ``acceleration``: rounds for gossip alone (no gradients) to bring the consensus distance down by
   1e-3, for n = 16 ... 1024 on ring, two_peer, one_peer and exponential; plain gossip (gamma = 0)
   against the outer momentum (anchored, and post_mix where the graph allows it) with gamma tuned per
-  graph and n on a grid. Rounds come from the project's consensus rate rho
+  graph and n on a grid refined twice around its best value. Rounds come from the project's consensus rate rho
   (``Topology.consensus_rate``: the asymptotic per-round contraction of the disagreement), as
   ``ln(1e3) / (2 ln(1 / rho))`` (the distance is a square); at n <= 64 they are also measured
   directly with the simulator's own round (``GossipRounds``, random start, eta = 1). The exponent
   of n is a least-squares fit of log(rounds) on log(n).
 - ``quality``, ``churn``: ``gasloc-sim`` runs of the demo preset (tiny GPT, stdlib bytes) at equal
-  tokens per worker; final consensus validation loss, and goodput under churn.
-- ``h1``: the paper's H = 1 claim at scale (``experiment=paper_h1``): gossip against GASLoC with inner
-  AdamW and inner SGD on one_peer, and post_mix on the ring, with the small-scale tuned values.
+  tokens per worker; final consensus validation loss (mean and sd over ``--seeds``), and goodput under churn.
+- ``h1``: the paper's H = 1 claim at scale (``experiment=paper_h1``): gossip against GASLoC on one_peer
+  with fair partners (both with the same tuned inner AdamW; GASLoC's inner SGD against gossip's heavy-ball
+  SGD), the tuned values chosen on the first seed.
 - ``plots``: one figure of questions 2 to 5 from the JSON files the other parts wrote to ``--out``.
 - ``networks``: two_clusters and cloud_mix scaled to ``--workers`` (clusters in proportion, the
   presets' links): the simulated time at which GASLoC reaches DiLoCo's final loss.
@@ -33,8 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -42,11 +41,13 @@ import torch
 
 from gasloc_lightning.sim import GossipRounds, WorkerClocks
 from gasloc_lightning.topology import build_topology
+from sim_runs import describe, run_sim, seeded, time_to_reach, tuned_on
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024)
 GRAPHS = ("ring", "two_peer", "one_peer", "exponential")
 GAMMAS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998)
 REDUCTION = 1e-3
+REFINEMENTS = 2  # finer gamma searches around the coarse grid's best (see tuned)
 
 
 def rounds_from_rate(rate: float) -> float:
@@ -64,13 +65,27 @@ def _rate(graph: str, n: int, gamma: float, form: str) -> float | None:
         return None
 
 
-def tuned(graph: str, n: int, form: str) -> dict:
-    """The best gamma of the grid (fewest rounds) for one graph, n and form."""
+def tuned(graph: str, n: int, form: str, refinements: int = REFINEMENTS) -> dict:
+    """The best gamma (fewest rounds) for one graph, n and form: the coarse grid, then ``refinements``
+    times 9 evenly spaced values between the best value's two neighbours, so the optimum is not read off
+    a grid step (the rounds blow up on one side of it as gamma nears 1)."""
     best = {"gamma": None, "rate": None, "rounds": math.inf}
-    for gamma in GAMMAS[1:]:
+
+    def consider(gamma: float) -> None:
+        nonlocal best
         rate = _rate(graph, n, gamma, form)
         if rate is not None and rounds_from_rate(rate) < best["rounds"]:
             best = {"gamma": gamma, "rate": rate, "rounds": rounds_from_rate(rate)}
+
+    grid = [*GAMMAS, 1.0]
+    for gamma in grid[1:-1]:
+        consider(gamma)
+    for _ in range(refinements if best["gamma"] is not None else 0):
+        index = grid.index(best["gamma"])
+        low, high = grid[index - 1], grid[index + 1]
+        grid = sorted({low + (high - low) * k / 10 for k in range(11)} | {best["gamma"]})
+        for gamma in grid[1:-1]:
+            consider(gamma)
     return best
 
 
@@ -143,53 +158,41 @@ def plot_acceleration(result: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def _sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
-    command = [str(Path(sys.executable).parent / "gasloc-sim"), f"experiment={experiment}", "data.val_batches=2",
-               "sim.progress_every=0", *overrides, f"output_dir={out}"]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    record = json.loads((out / "summary.json").read_text())
-    return {"overrides": overrides, "val_loss": record["final"]["val_loss"], "goodput": record["sim"]["goodput"],
-            "wall_time_s": record["wall_time_s"], "bytes_sent": record["bytes_sent"],
-            "outer_momentum": record["strategy"]["outer_momentum"], "trace": _validation_trace(out, record)}
-
-
-def _validation_trace(out: Path, record: dict) -> list[tuple[int, float, float | None]]:
-    """(step, val/loss, sim_time or None) of every validation of a finished sim run."""
-    import csv
-
-    points = []
-    with open(out / record["metrics_csv"], newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row.get("val/loss"):
-                sim_time = float(row["val/sim_time"]) if row.get("val/sim_time") else None
-                points.append((int(row["step"]) + 1, float(row["val/loss"]), sim_time))
-    return points
-
-
-# The paper's H = 1 claim (docs/results/tuned.json: the small-scale tuning on seed 0, one_peer).
-_GOSSIP_ADAMW = ["model.optimizer.lr=0.006", "model.optimizer.betas=[0.8,0.95]"]
+# The paper's H = 1 claim with fair partners: each side has one momentum and the same inner optimizer.
+# AdamW: both take the AdamW tuned for gossip at small scale (docs/results/tuned.json, seed 0, one_peer);
+# GASLoC's outer momentum is tuned on seed 0 here. SGD: GASLoC (plain inner SGD, outer momentum 0.9)
+# against gossip with heavy-ball SGD (momentum 0.9), whose lr is tuned on seed 0 here; plain gossip SGD
+# (no momentum anywhere: the former, unfair, partner) stays as a reference.
+_TUNED_ADAMW = ["model.optimizer.lr=0.006", "model.optimizer.betas=[0.8,0.95]"]
+_GASLOC_H1 = ["strategy=gasloc", "inner_steps=1", "strategy.outer_lr=1.0"]
+_SGD = ["model/optimizer=sgd"]
 _H1_METHODS = {
-    "gossip_adamw": ["strategy=gossip", "topology=one_peer", *_GOSSIP_ADAMW],
-    "gasloc_adamw": ["strategy=gasloc", "topology=one_peer", "inner_steps=1", "strategy.outer_lr=1.0",
-                     "strategy.outer_momentum=0.3"],
-    "gossip_sgd": ["strategy=gossip", "topology=one_peer", "model/optimizer=sgd", "model.optimizer.lr=1.0"],
-    "gasloc_sgd": ["strategy=gasloc", "topology=one_peer", "inner_steps=1", "model/optimizer=sgd",
-                   "model.optimizer.lr=0.3", "strategy.outer_lr=1.0", "strategy.outer_momentum=0.9"],
-    "gossip_adamw_ring": ["strategy=gossip", "topology=ring", *_GOSSIP_ADAMW],
-    "gasloc_post_mix_ring": ["strategy=gasloc", "topology=ring", "inner_steps=1", "strategy.outer_lr=1.0",
-                             "strategy.outer_momentum=0.3", "strategy.outer_form=post_mix"],
+    "gossip_adamw": ["strategy=gossip", "topology=one_peer", *_TUNED_ADAMW],
+    "gasloc_adamw": [*_GASLOC_H1, "topology=one_peer", *_TUNED_ADAMW],  # + the tuned outer momentum
+    "gossip_sgd_plain": ["strategy=gossip", "topology=one_peer", *_SGD, "model.optimizer.lr=1.0"],
+    "gossip_sgd_momentum": ["strategy=gossip", "topology=one_peer", *_SGD, "model.optimizer.momentum=0.9"],  # + lr
+    "gasloc_sgd": [*_GASLOC_H1, "topology=one_peer", *_SGD, "model.optimizer.lr=0.3", "strategy.outer_momentum=0.9"],
+}
+_H1_TUNING = {  # tuned on the first seed; the chosen value joins the method's overrides
+    "gasloc_adamw": {f"gamma={g}": [f"strategy.outer_momentum={g}"] for g in (0.3, 0.5, 0.7)},
+    "gossip_sgd_momentum": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.03, 0.1, 0.3)},
 }
 
 
-def h1(workers: int, steps: int) -> dict:
-    """Claim (1) at scale: H = 1, gossip against GASLoC with inner AdamW and SGD, and post_mix on the ring."""
+def h1(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
+    """Claim (1) at scale: H = 1, gossip against GASLoC with fair partners (see ``_H1_METHODS``)."""
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
-    runs = {}
+    runs, tuning = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in _H1_METHODS.items():
-            runs[name] = _sim(base + extra, Path(tmp) / name, experiment="paper_h1")
-            print(name, {k: v for k, v in runs[name].items() if k != "trace"}, flush=True)
-    return {"workers": workers, "steps": steps, "runs": runs}
+            if name in _H1_TUNING:
+                best, losses = tuned_on(_H1_TUNING[name], base + extra, Path(tmp) / name, seeds[0], "paper_h1")
+                tuning[name] = {"tuning_seed": seeds[0], "losses": losses, "chosen": best}
+                extra = [*extra, *_H1_TUNING[name][best]]
+                print(name, "tuned on seed", seeds[0], losses, "->", best, flush=True)
+            runs[name] = seeded(base + extra, Path(tmp) / name, seeds, experiment="paper_h1")
+            print(describe(name, runs[name]), flush=True)
+    return {"workers": workers, "steps": steps, "seeds": list(seeds), "tuning": tuning, "runs": runs}
 
 
 def _scaled_network(name: str, workers: int) -> list[str]:
@@ -200,14 +203,6 @@ def _scaled_network(name: str, workers: int) -> list[str]:
     speeds = [1.0] * a + [0.7] * b + [0.5] * (workers - a - b)
     return ["network=cloud_mix", f"network.sizes=[{a},{b},{workers - a - b}]",
             f"network.speeds=[{','.join(map(str, speeds))}]"]
-
-
-def _time_to_reach(trace: list, target: float) -> float | None:
-    """Simulated time of the first validation at or below ``target`` (None: never)."""
-    for _, loss, sim_time in trace:
-        if loss <= target:
-            return sim_time
-    return None
 
 
 def networks(workers: int, rounds: int, inner_steps: int) -> dict:
@@ -232,19 +227,19 @@ def networks(workers: int, rounds: int, inner_steps: int) -> dict:
             }
             runs = {}
             for name, extra in methods.items():
-                runs[name] = _sim(base + extra, Path(tmp) / f"{network}_{name}")
+                runs[name] = run_sim(base + extra, Path(tmp) / f"{network}_{name}")
                 print(network, name, runs[name]["val_loss"], runs[name]["trace"][-1], flush=True)
             target = runs["diloco"]["val_loss"]
-            reference = _time_to_reach(runs["diloco"]["trace"], target)
+            reference = time_to_reach(runs["diloco"]["trace"], target)
             for run in runs.values():
-                reached = _time_to_reach(run["trace"], target)
+                reached = time_to_reach(run["trace"], target)
                 run["time_to_diloco_loss"] = reached
                 run["ratio_to_diloco"] = None if reached is None or not reference else reached / reference
             result["networks"][network] = runs
     return result
 
 
-def quality(workers: int, steps: int) -> dict:
+def quality(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,20 +247,20 @@ def quality(workers: int, steps: int) -> dict:
                             ("two_peer", ["strategy=gasloc", "topology=two_peer"]),
                             ("ring", ["strategy=gasloc", "topology=ring"]),
                             ("exponential", ["strategy=gasloc", "topology=exponential"])):
-            runs[name] = _sim(base + extra, Path(tmp) / name)
-            print(name, {k: v for k, v in runs[name].items() if k != "trace"}, flush=True)
-    return {"workers": workers, "steps": steps, "runs": runs}
+            runs[name] = seeded(base + extra, Path(tmp) / name, seeds)
+            print(describe(name, runs[name]), flush=True)
+    return {"workers": workers, "steps": steps, "seeds": list(seeds), "runs": runs}
 
 
-def churn(workers: int, steps: int) -> dict:
+def churn(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
             "strategy=gasloc", "topology=one_peer", "sim.mean_downtime_rounds=3", "sim.min_live=2"]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for fraction in (0.0, 0.05, 0.1, 0.2):
-            runs[str(fraction)] = _sim(base + [f"sim.down_fraction={fraction}"], Path(tmp) / str(fraction))
-            print(fraction, {k: v for k, v in runs[str(fraction)].items() if k != "trace"}, flush=True)
-    return {"workers": workers, "steps": steps, "runs": runs}
+            runs[str(fraction)] = seeded(base + [f"sim.down_fraction={fraction}"], Path(tmp) / str(fraction), seeds)
+            print(describe(f"{fraction:.0%} down", runs[str(fraction)]), flush=True)
+    return {"workers": workers, "steps": steps, "seeds": list(seeds), "runs": runs}
 
 
 def plot_summary(folder: Path, path: Path) -> None:
@@ -321,6 +316,8 @@ def main() -> None:
     parser.add_argument("--max-n", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=6, help="networks: DiLoCo's rounds (GASLoC gets 1.5x)")
     parser.add_argument("--inner-steps", type=int, default=10, help="networks: H")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="quality, churn, h1: seeds run per configuration (h1 tunes on the first)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/at_scale"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -331,13 +328,13 @@ def main() -> None:
         result = acceleration(tuple(n for n in SIZES if n <= args.max_n))
         plot_acceleration(result, args.out / "acceleration.png")
     elif args.part == "quality":
-        result = quality(args.workers, args.steps)
+        result = quality(args.workers, args.steps, tuple(args.seeds))
     elif args.part == "h1":
-        result = h1(args.workers, args.steps)
+        result = h1(args.workers, args.steps, tuple(args.seeds))
     elif args.part == "networks":
         result = networks(args.workers, args.rounds, args.inner_steps)
     else:
-        result = churn(args.workers, args.steps)
+        result = churn(args.workers, args.steps, tuple(args.seeds))
     name = args.part if args.part == "acceleration" else f"{args.part}_n{args.workers}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 

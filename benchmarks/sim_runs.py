@@ -1,0 +1,86 @@
+"""``gasloc-sim`` runs for the benchmark scripts: one run, one configuration over seeds, tuning on a seed.
+
+Each run is a ``gasloc-sim`` process (the installed console script next to this interpreter) writing to
+its own folder; what comes back is read from its ``summary.json`` and metrics CSV: the final consensus
+validation loss, goodput, bytes, and the trace of (step, val/loss, simulated time) of every validation.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+Trace = list[tuple[int, float, float | None]]
+
+
+class SimRunError(RuntimeError):
+    """A ``gasloc-sim`` run exited non-zero; the message ends with its last lines of output."""
+
+
+def run_sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
+    """One ``gasloc-sim experiment=<experiment> <overrides>`` run in ``out``; its summary and trace."""
+    command = [str(Path(sys.executable).parent / "gasloc-sim"), f"experiment={experiment}", "data.val_batches=2",
+               "sim.progress_every=0", *overrides, f"output_dir={out}"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stdout.splitlines()[-15:])
+        raise SimRunError(f"gasloc-sim exited {result.returncode}: {' '.join(command)}\n{tail}")
+    record = json.loads((out / "summary.json").read_text())
+    return {"overrides": overrides, "val_loss": record["final"]["val_loss"], "goodput": record["sim"]["goodput"],
+            "wall_time_s": record["wall_time_s"], "bytes_sent": record["bytes_sent"],
+            "outer_momentum": record["strategy"].get("outer_momentum"), "trace": validation_trace(out, record)}
+
+
+def validation_trace(out: Path, record: dict) -> Trace:
+    """(step, val/loss, sim_time or None) of every validation of a finished sim run."""
+    points = []
+    with open(out / record["metrics_csv"], newline="") as handle:
+        for row in csv.DictReader(handle):
+            if row.get("val/loss"):
+                sim_time = float(row["val/sim_time"]) if row.get("val/sim_time") else None
+                points.append((int(row["step"]) + 1, float(row["val/loss"]), sim_time))
+    return points
+
+
+def time_to_reach(trace: Trace, target: float) -> float | None:
+    """Simulated time of the first validation at or below ``target`` (None: never)."""
+    for _, loss, sim_time in trace:
+        if loss <= target:
+            return sim_time
+    return None
+
+
+def seeded(overrides: list[str], out: Path, seeds: tuple[int, ...], experiment: str = "demo") -> dict:
+    """One configuration on every seed: the mean and sample sd of the final loss, and each seed's run
+    (with its trace under ``traces``)."""
+    runs = {seed: run_sim([*overrides, f"seed={seed}"], out / f"seed{seed}", experiment) for seed in seeds}
+    losses = [run["val_loss"] for run in runs.values()]
+    return {"overrides": overrides, "val_loss": statistics.mean(losses),
+            "val_loss_sd": statistics.stdev(losses) if len(losses) > 1 else None,
+            "goodput": statistics.mean(run["goodput"] for run in runs.values()),
+            "wall_time_s": statistics.mean(run["wall_time_s"] for run in runs.values()),
+            "bytes_sent": runs[seeds[0]]["bytes_sent"], "outer_momentum": runs[seeds[0]]["outer_momentum"],
+            "seeds": {str(seed): {k: v for k, v in run.items() if k != "trace"} for seed, run in runs.items()},
+            "traces": {str(seed): run["trace"] for seed, run in runs.items()}}
+
+
+def tuned_on(grid: dict[str, list[str]], base: list[str], out: Path, seed: int,
+             experiment: str = "demo") -> tuple[str, dict[str, float]]:
+    """The grid point (label) with the lowest final loss on ``seed``, the tuning seed, and every point's loss."""
+    losses = {label: run_sim([*base, *extra, f"seed={seed}"], out / slug(f"tune_{label}"), experiment)["val_loss"]
+              for label, extra in grid.items()}
+    return min(losses, key=losses.get), losses
+
+
+def slug(label: str) -> str:
+    """``label`` as a folder name Hydra's override grammar accepts in ``output_dir=`` (no ``=`` or ``,``)."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
+def describe(name: str, run: dict) -> str:
+    sd = "" if run["val_loss_sd"] is None else f" +- {run['val_loss_sd']:.4f}"
+    return f"{name}: val_loss {run['val_loss']:.4f}{sd} over seeds {sorted(run['seeds'], key=int)}"
