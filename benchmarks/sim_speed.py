@@ -64,15 +64,16 @@ def measure(steps: int, big_steps: int, big_workers: int) -> dict:
     }
 
 
-def measure_churn(workers: int, steps: int, down_fraction: float = 0.2) -> dict:
+def measure_churn(workers: int, steps: int, batch_size: int, down_fraction: float = 0.2) -> dict:
     """The simulator's training loop with no worker down and with ``down_fraction`` of them down every round."""
     live = list(range(workers - round(down_fraction * workers)))
     base = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "data.val_batches=1",
+            f"data.batch_size={batch_size}",
             f"sim.workers={workers}", "sim.progress_every=0", "sim.min_live=1"]
     with tempfile.TemporaryDirectory() as tmp:
         none = _run("gasloc-sim", base, Path(tmp) / "none")
         down = _run("gasloc-sim", [*base, f"sim.live_by_round=[[{','.join(map(str, live))}]]"], Path(tmp) / "down")
-    return {"workers": workers, "steps": steps, "down_fraction": 1 - len(live) / workers,
+    return {"workers": workers, "steps": steps, "batch_size": batch_size, "down_fraction": 1 - len(live) / workers,
             "runs": {"none_down": none, "down": down},
             "speedup_loop": none["loop_s"] / down["loop_s"], "speedup_total": none["total_s"] / down["total_s"],
             "target_speedup": 1.2, "ideal_speedup": workers / len(live)}
@@ -87,9 +88,10 @@ def main() -> None:
     parser.add_argument("--churn", action="store_true", help="measure only the cost of down workers (3. above)")
     parser.add_argument("--churn-workers", type=int, default=64)
     parser.add_argument("--churn-steps", type=int, default=20)
+    parser.add_argument("--churn-batch-size", type=int, default=4, help="sequences per worker-step")
     args = parser.parse_args()
     if args.churn:
-        result = measure_churn(args.churn_workers, args.churn_steps)
+        result = measure_churn(args.churn_workers, args.churn_steps, args.churn_batch_size)
     else:
         result = measure(args.steps, args.big_steps, args.big_workers)
     text = json.dumps(result, indent=2)
