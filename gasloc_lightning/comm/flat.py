@@ -81,12 +81,14 @@ class FlatLayout:
     """
 
     def __init__(self, module: nn.Module, bind: bool = True):
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for fsdp_module in self._fsdp_modules:  # its parameters are the sharded ones only while resharded
+            fsdp_module.reshard()
         self.parameters = _unique(p for p in module.parameters() if p.requires_grad)
         if not self.parameters:
             raise ValueError("the model has no trainable parameters to exchange")
         self.buffers = exchanged_buffers(module)
         self.sharded = any(isinstance(p, DTensor) for p in self.parameters)
-        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
         self.num_parameter_elements = sum(local_tensor(p).numel() for p in self.parameters)
         self.num_buffer_elements = sum(b.numel() for b in self.buffers)
         self._tensors = self.parameters + self.buffers
