@@ -14,6 +14,11 @@ import lightning.pytorch as pl
 # - `_configure_launcher` and `_launcher`, `_start_method`: to put StoppingSubprocessLauncher in place;
 # - `_ddp_kwargs`: the DDP arguments inside a worker (its process group);
 # - `_layer_sync`: to refuse sync_batchnorm.
+# Sharded workers (intra_worker="fsdp"), after Lightning's ModelParallelStrategy:
+# - `LightningModule._device_mesh`: set in setup_environment so `self.device_mesh` reaches configure_model
+#   (a rename leaves the module unsharded, which the strategy refuses with a TypeError);
+# - `_MultiProcessingLauncher` and its `_collect_rank_zero_results`: ShardedResultsLauncher hands back the
+#   whole model (test_validate_after_a_sharded_fit_evaluates_the_consensus_it_returned catches a change).
 
 # Sets torch's threads to cores / local processes unless OMP_NUM_THREADS is set (what Lightning's
 # launchers call in every worker). Used for cpu_threads="auto" in processes no launcher started.
