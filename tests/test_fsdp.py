@@ -331,3 +331,22 @@ def test_streamed_fragments_of_sharded_workers_equal_one_rank_workers(tmp_path, 
         for name, reference in whole["params"].items():
             assert (shard["params"][name] - reference).norm() <= 1e-6 * reference.norm().clamp_min(1e-3), name
         assert shard["bytes_sent"] * K == whole["bytes_sent"] > 0
+
+
+def test_a_checkpoint_in_the_middle_of_a_sharded_fit_leaves_the_training_as_it_was(tmp_path, fresh_port):
+    """Saving reads the optimizer state; it must not replace the live DTensor state by plain copies (the next
+    step would mix DTensor parameters with plain state, and a second save would lose the shards' names)."""
+    def strategy():
+        return GASLoCStrategy(inner_steps=2, ranks_per_worker=K, intra_worker="fsdp", topology="ring",
+                              start_method="fork", gossip_timeout=120.0, consensus_every=0)
+
+    plain = _fit(strategy(), tmp_path / "plain", max_steps=6, model=EvenRegressor(batches=6))
+    fresh_port()
+    saving = _fit(strategy(), tmp_path / "saving", max_steps=6, model=EvenRegressor(batches=6),
+                  callbacks=[SaveAt(2, str(tmp_path / "ck2")), SaveAt(4, str(tmp_path / "ck4"))])
+    for rank, (a, b) in enumerate(zip(plain, saving)):
+        for key in ("params", "optimizer_state", "outer"):
+            _assert_equal(a[key], b[key], f"rank {rank} {key}")
+    for step in (2, 4):  # every save names the sharded optimizer entries
+        state = torch.load(tmp_path / f"ck{step}" / "rank_0.ckpt", weights_only=True)
+        assert state["optimizer_states"][0]["sharded_keys"], step

@@ -58,6 +58,9 @@ def load_local_module_state(module: nn.Module, state: Mapping[str, Tensor], stri
 def local_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` with each DTensor replaced by this rank's shard, the sharded entries named."""
     state = optimizer.state_dict()
+    # state_dict() packs the optimizer's own per-parameter dicts: replacing entries in them would put plain
+    # copies in place of the live DTensor state (the next step would then mix DTensors and plain tensors)
+    state["state"] = {index: dict(entries) for index, entries in state["state"].items()}
     sharded = []
     for index, entries in state["state"].items():
         for key, value in list(entries.items()):
