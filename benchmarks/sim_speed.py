@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,12 +37,13 @@ COMMON = ["experiment=demo", "strategy=gasloc", "trainer.enable_progress_bar=fal
 
 def _run(script: str, overrides: list[str], out: Path) -> dict:
     command = [str(BIN / script), *COMMON, *overrides, f"output_dir={out}"]
-    start = time.perf_counter()
+    start, used = time.perf_counter(), _children_cpu_s()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    total = time.perf_counter() - start
+    total, cpu = time.perf_counter() - start, _children_cpu_s() - used
     record = json.loads((out / "summary.json").read_text())
     steps, workers = record["budget"]["steps"], record["world_size"]
     return {"script": script, "workers": workers, "steps": steps, "loop_s": record["wall_time_s"], "total_s": total,
+            "cpu_s": cpu,
             "worker_steps_per_s": workers * steps / record["wall_time_s"], "val_loss": record["final"]["val_loss"]}
 
 
@@ -64,18 +67,33 @@ def measure(steps: int, big_steps: int, big_workers: int) -> dict:
     }
 
 
-def measure_churn(workers: int, steps: int, batch_size: int, down_fraction: float = 0.2) -> dict:
-    """The simulator's training loop with no worker down and with ``down_fraction`` of them down every round."""
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure_churn(workers: int, steps: int, batch_size: int, repeats: int, down_fraction: float = 0.2) -> dict:
+    """The simulator with no worker down and with ``down_fraction`` of them down every round, run alternately
+    ``repeats`` times each (a shared machine's load drifts): wall time of the training loop and CPU time of the
+    whole process (start-up included, the same in both), as medians."""
     live = list(range(workers - round(down_fraction * workers)))
     base = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "data.val_batches=1",
             f"data.batch_size={batch_size}",
             f"sim.workers={workers}", "sim.progress_every=0", "sim.min_live=1"]
+    replay = f"sim.live_by_round=[[{','.join(map(str, live))}]]"
+    runs: dict[str, list[dict]] = {"none_down": [], "down": []}
     with tempfile.TemporaryDirectory() as tmp:
-        none = _run("gasloc-sim", base, Path(tmp) / "none")
-        down = _run("gasloc-sim", [*base, f"sim.live_by_round=[[{','.join(map(str, live))}]]"], Path(tmp) / "down")
-    return {"workers": workers, "steps": steps, "batch_size": batch_size, "down_fraction": 1 - len(live) / workers,
-            "runs": {"none_down": none, "down": down},
-            "speedup_loop": none["loop_s"] / down["loop_s"], "speedup_total": none["total_s"] / down["total_s"],
+        for k in range(repeats):
+            runs["none_down"].append(_run("gasloc-sim", base, Path(tmp) / f"none{k}"))
+            runs["down"].append(_run("gasloc-sim", [*base, replay], Path(tmp) / f"down{k}"))
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[name])
+
+    return {"workers": workers, "steps": steps, "batch_size": batch_size, "repeats": repeats,
+            "down_fraction": 1 - len(live) / workers, "runs": runs,
+            "speedup_loop_wall": median("none_down", "loop_s") / median("down", "loop_s"),
+            "speedup_process_cpu": median("none_down", "cpu_s") / median("down", "cpu_s"),
             "target_speedup": 1.2, "ideal_speedup": workers / len(live)}
 
 
@@ -89,9 +107,10 @@ def main() -> None:
     parser.add_argument("--churn-workers", type=int, default=64)
     parser.add_argument("--churn-steps", type=int, default=20)
     parser.add_argument("--churn-batch-size", type=int, default=4, help="sequences per worker-step")
+    parser.add_argument("--churn-repeats", type=int, default=2, help="runs of each, alternating")
     args = parser.parse_args()
     if args.churn:
-        result = measure_churn(args.churn_workers, args.churn_steps, args.churn_batch_size)
+        result = measure_churn(args.churn_workers, args.churn_steps, args.churn_batch_size, args.churn_repeats)
     else:
         result = measure(args.steps, args.big_steps, args.big_workers)
     text = json.dumps(result, indent=2)

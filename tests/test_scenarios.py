@@ -150,7 +150,7 @@ def _sim(corpus: Path, tmp_path: Path, overrides: list[str]) -> dict:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_runs_in_the_simulator(preset, corpus, tmp_path):
-    extra = ["network.preemption.mean_downtime_rounds=1", "network.preemption.down_fraction=0.3"] \
+    extra = ["network.preemption.mean_downtime_rounds=1", "network.preemption.down_fraction=0.2"] \
         if preset == "preemption" else []
     record = _sim(corpus, tmp_path, [f"network={preset}", *extra])
     assert math.isfinite(record["final"]["val_loss"]) and record["sim"]["sim_time_max"] > 0

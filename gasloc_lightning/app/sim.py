@@ -5,6 +5,8 @@ Usage::
     gasloc-sim experiment=demo strategy=gasloc                 # the demo's 4 workers, in one process
     gasloc-sim experiment=demo sim.workers=256 trainer.max_steps=50
     gasloc-sim experiment=demo sim.workers=64 sim.down_fraction=0.1     # churn
+    gasloc-sim experiment=demo sim.workers=64 network=preemption        # churn from the preset
+    gasloc-sim experiment=demo sim.workers=64 network=jitter            # or many_sites, two_clusters, cloud_mix
 
 Presets, strategies (gasloc, diloco, local), topologies, networks and models are gasloc-train's;
 ``sim.*`` adds the worker count, churn and progress. The job writes ``summary.json`` and

@@ -4,7 +4,8 @@ The loop is the multi-process strategy's, counted the same way: every optimizer 
 every worker; after H steps the round runs (``GossipRounds`` or ``DiLoCoRounds``); a final shorter
 round runs if steps remain at the end, then any exchange still in flight is folded in. Validation
 evaluates the average of the live replicas on every worker's validation windows (what the
-strategy's consensus evaluation computes, gathered in one place).
+strategy's consensus evaluation computes, gathered in one place). Under churn only the live workers
+draw a batch and compute; joins follow the elastic mode (see :mod:`gasloc_lightning.sim.churn`).
 """
 
 from __future__ import annotations
