@@ -350,3 +350,38 @@ def test_a_checkpoint_in_the_middle_of_a_sharded_fit_leaves_the_training_as_it_w
     for step in (2, 4):  # every save names the sharded optimizer entries
         state = torch.load(tmp_path / f"ck{step}" / "rank_0.ckpt", weights_only=True)
         assert state["optimizer_states"][0]["sharded_keys"], step
+
+
+class PartlyShardedRegressor(TinyRegressor):
+    """Shards its Linear layers only: the BatchNorm's weight and bias stay plain, trained apart on each rank."""
+
+    def configure_model(self):
+        if self.device_mesh is not None and not is_sharded(self):
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    torch.distributed.fsdp.fully_shard(layer, mesh=self.device_mesh["shards"])
+
+
+class HSDPRegressor(TinyRegressor):
+    """Shards over the whole (workers, shards) mesh: FSDP2 would all-reduce gradients across workers (HSDP)."""
+
+    def configure_model(self):
+        if self.device_mesh is not None and not is_sharded(self):
+            torch.distributed.fsdp.fully_shard(self.net, mesh=self.device_mesh)
+
+
+class UnshardedRegressor(TinyRegressor):
+    def configure_model(self):
+        pass
+
+
+@pytest.mark.parametrize("model, message", [
+    (UnshardedRegressor, "no sharded parameter"),
+    (PartlyShardedRegressor, r"\['net.1.weight', 'net.1.bias'\] are not sharded"),
+    (HSDPRegressor, "over this worker's ranks"),
+], ids=["unsharded", "partly", "hsdp"])
+def test_a_module_sharded_other_than_over_the_workers_ranks_is_refused(tmp_path, fresh_port, model, message):
+    strategy = GASLoCStrategy(inner_steps=2, ranks_per_worker=K, intra_worker="fsdp", start_method="fork",
+                              gossip_timeout=30.0)
+    with pytest.raises(Exception, match=message):
+        _fit(strategy, tmp_path, max_steps=2, model=model())

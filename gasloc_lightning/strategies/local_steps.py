@@ -36,7 +36,6 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -400,12 +399,7 @@ class LocalStepsStrategy(DDPStrategy):
             super().configure_ddp()
 
     def _check_sharded_module(self) -> None:
-        if not any(isinstance(p, DTensor) for p in self.lightning_module.parameters()):
-            raise TypeError(
-                "intra_worker='fsdp': the LightningModule has no sharded parameter. Shard it in configure_model, e.g. "
-                "fully_shard(block, mesh=self.device_mesh['shards']) for each block and then for the whole network "
-                "(see gasloc_lightning.models.sharding.shard_by_block), or use intra_worker='ddp'"
-            )
+        sharded_state.check_sharded_module(self.lightning_module, self._workers.mesh["shards"])
 
     def _build_layout(self) -> None:
         self._layout = FlatLayout(self.lightning_module)
@@ -783,7 +777,10 @@ class LocalStepsStrategy(DDPStrategy):
 
 
     def _fit_finished_normally(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        try:
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        except RuntimeError:  # spawn/fork's launching process tears down after a failed launch: no Trainer attached
+            return False
         return (trainer is not None and trainer.state.fn == TrainerFn.FITTING
                 and trainer.state.status == TrainerStatus.RUNNING and not trainer.interrupted)
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from gasloc_lightning.comm.flat import local_tensor
@@ -89,3 +90,40 @@ def full_module_state(module: nn.Module) -> dict[str, Any]:
     """The module's whole state dict, each DTensor gathered (a collective inside the worker)."""
     return {name: value.full_tensor() if isinstance(value, DTensor) else value
             for name, value in module.state_dict().items()}
+
+
+def check_sharded_module(module: nn.Module, shards: DeviceMesh) -> None:
+    """Refuse a module a sharded worker cannot train as one replica: every trainable parameter must be a DTensor
+    sharded on dim 0 over exactly the worker's ranks (``shards``, the mesh's ``shards`` dimension).
+
+    A trainable parameter FSDP2 does not manage gets no gradient reduction inside the worker (each rank would train
+    its own copy); one sharded over the whole ``(workers, shards)`` mesh (HSDP) or over ``workers`` would all-reduce
+    gradients across workers at every step; a dim other than 0 would be put together wrongly by ``gasloc-export``.
+    """
+    ranks = shards.mesh.flatten().tolist()
+    plain, elsewhere = [], []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if not isinstance(param, DTensor):
+            plain.append(name)
+        elif param.device_mesh.mesh.flatten().tolist() != ranks or tuple(param.placements) != (Shard(0),):
+            elsewhere.append(f"{name} ({tuple(param.placements)} over ranks {param.device_mesh.mesh.tolist()})")
+    if plain and len(plain) == sum(1 for p in module.parameters() if p.requires_grad):
+        raise TypeError(
+            "intra_worker='fsdp': the LightningModule has no sharded parameter. Shard it in configure_model, e.g. "
+            "fully_shard(block, mesh=self.device_mesh['shards']) for each block and then for the whole network "
+            "(see gasloc_lightning.models.sharding.shard_by_block), or use intra_worker='ddp'"
+        )
+    if plain:
+        raise TypeError(
+            f"intra_worker='fsdp': trainable parameters {plain[:5]}{' ...' if len(plain) > 5 else ''} are not sharded, "
+            "so the ranks of a worker would train separate copies of them: fully_shard the whole network last (its "
+            "root takes every parameter left), or freeze them"
+        )
+    if elsewhere:
+        raise ValueError(
+            f"intra_worker='fsdp': parameters {elsewhere[:3]}{' ...' if len(elsewhere) > 3 else ''} are not sharded "
+            f"on dim 0 over this worker's ranks {ranks}: shard with fully_shard(..., mesh=self.device_mesh['shards']) "
+            "(the whole (workers, shards) mesh would all-reduce gradients across workers at every step)"
+        )
