@@ -385,3 +385,48 @@ def test_a_module_sharded_other_than_over_the_workers_ranks_is_refused(tmp_path,
                               gossip_timeout=30.0)
     with pytest.raises(Exception, match=message):
         _fit(strategy, tmp_path, max_steps=2, model=model())
+
+
+def _sharded_directory(directory: Path, shards: list, states: list) -> Path:
+    """A per-rank checkpoint directory written by hand: rank r's ``gasloc["shards"]`` and ``state_dict``."""
+    import json
+
+    directory.mkdir()
+    (directory / "meta.json").write_text(json.dumps({"format": "gasloc-per-rank-v2", "world_size": len(states),
+                                                     "global_step": 1, "save_id": 7}))
+    torch.save({"global_step": 1, "gasloc": {"save_id": 7}}, directory / "shared.ckpt")
+    for rank, (described, state) in enumerate(zip(shards, states)):
+        gasloc = {"save_id": 7, "rank": rank, **({} if described is None else {"shards": described})}
+        torch.save({"state_dict": state, "gasloc": gasloc}, directory / f"rank_{rank}.ckpt")
+    return directory
+
+
+def _shard(index, count=2, sharded=("w",)):
+    return {"index": index, "count": count, "sharded": list(sharded)}
+
+
+@pytest.mark.parametrize("shards, states", [
+    ([_shard(0, count=0), _shard(1, count=0)], [{"w": torch.ones(1)}] * 2),
+    ([_shard(0, count=3), _shard(1, count=3)], [{"w": torch.ones(1)}] * 2),
+    ([_shard(0), None], [{"w": torch.ones(1)}] * 2),
+    ([_shard(0), _shard(1, count=1)], [{"w": torch.ones(1)}] * 2),
+    ([_shard(0), _shard(1)], [{"w": torch.ones(1)}, {"v": torch.ones(1)}]),
+    ([_shard(0), _shard(1)], [{"w": torch.ones(1, 2)}, {"w": torch.ones(1, 3)}]),
+    ([_shard(0), _shard(1)], [{"w": torch.ones(())}, {"w": torch.ones(())}]),
+], ids=["count0", "count_not_dividing", "mixed", "counts_differ", "names_differ", "shapes", "scalar"])
+def test_export_of_malformed_shard_files_is_a_format_error(tmp_path, shards, states):
+    from gasloc_lightning.plugins.per_rank import CheckpointFormatError
+
+    directory = _sharded_directory(tmp_path / "ck", shards, states)
+    with pytest.raises(CheckpointFormatError):
+        export_consensus(directory, tmp_path / "out.ckpt")
+
+
+def test_export_puts_uneven_shards_together(tmp_path):
+    """k = 2 shards of a 3-row tensor (2 rows and 1, as torch.chunk) and an unsharded entry from shard 0."""
+    whole = torch.arange(6.0).reshape(3, 2)
+    directory = _sharded_directory(tmp_path / "ck", [_shard(0), _shard(1)],
+                                   [{"w": whole[:2], "b": torch.zeros(1)}, {"w": whole[2:], "b": torch.ones(1)}])
+    report = export_consensus(directory, tmp_path / "out.ckpt")
+    exported = torch.load(tmp_path / "out.ckpt", weights_only=True)["state_dict"]
+    assert report["replicas"] == 1 and torch.equal(exported["w"], whole) and torch.equal(exported["b"], torch.zeros(1))

@@ -287,17 +287,43 @@ def export_consensus(
 def _replicas(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One whole state dict per replica. Ranks of a sharded worker (``gasloc["shards"]``: its index, the count
     k and the names of the sharded entries) each hold the dim-0 chunk ``index`` of those entries, as FSDP2 shards
-    them: a worker's k consecutive ranks are put together in shard order; their other entries are shard 0's."""
-    shards = ranks[0].get("gasloc", {}).get("shards")
-    if shards is None:
+    them: a worker's k consecutive ranks are put together in shard order; their other entries are shard 0's.
+
+    The rank files are untrusted input: anything that does not describe k whole shards of one model is a
+    :class:`CheckpointFormatError`, not a traceback."""
+    described = [rank.get("gasloc", {}).get("shards") for rank in ranks]
+    if all(shards is None for shards in described):
         return [rank["state_dict"] for rank in ranks]
-    k, sharded = int(shards["count"]), set(shards["sharded"])
+    if any(not isinstance(shards, Mapping) for shards in described):
+        raise CheckpointFormatError("some rank files hold shards of a sharded worker and some do not: the "
+                                    "directory mixes checkpoints")
+    k, sharded = described[0].get("count"), described[0].get("sharded")
+    if (isinstance(k, bool) or not isinstance(k, int) or k < 1 or len(ranks) % k
+            or not isinstance(sharded, (list, tuple)) or not all(isinstance(name, str) for name in sharded)):
+        raise CheckpointFormatError(f"rank 0's shard description (count {k!r} for {len(ranks)} rank files, sharded "
+                                    "entries) is malformed")
+    if any(shards.get("count") != k or list(shards.get("sharded", ())) != list(sharded) for shards in described):
+        raise CheckpointFormatError("the rank files disagree on the shard count or on which entries are sharded")
+    sharded = set(sharded)
     replicas = []
     for first in range(0, len(ranks), k):
         worker = ranks[first : first + k]
-        indices = [rank["gasloc"]["shards"]["index"] for rank in worker]
+        indices = [shards.get("index") for shards in described[first : first + k]]
         if indices != list(range(k)):
             raise CheckpointFormatError(f"ranks {first}..{first + k - 1} hold shards {indices}, expected 0..{k - 1}")
-        replicas.append({name: torch.cat([rank["state_dict"][name] for rank in worker]) if name in sharded else value
-                         for name, value in worker[0]["state_dict"].items()})
+        names = set(worker[0]["state_dict"])
+        if not sharded <= names or any(set(rank["state_dict"]) != names for rank in worker):
+            raise CheckpointFormatError(f"ranks {first}..{first + k - 1} hold different entries, or lack sharded ones")
+        replica = {}
+        for name, value in worker[0]["state_dict"].items():
+            if name not in sharded:
+                replica[name] = value
+                continue
+            parts = [rank["state_dict"][name] for rank in worker]
+            if (not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts)
+                    or len({part.shape[1:] for part in parts}) > 1):
+                raise CheckpointFormatError(f"ranks {first}..{first + k - 1}: the shards of {name} do not put "
+                                            "together into one tensor")
+            replica[name] = torch.cat(parts)
+        replicas.append(replica)
     return replicas
