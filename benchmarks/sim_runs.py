@@ -27,8 +27,8 @@ def run_sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
                "sim.progress_every=0", *overrides, f"output_dir={out}"]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
-        tail = "\n".join(result.stdout.splitlines()[-15:])
-        raise SimRunError(f"gasloc-sim exited {result.returncode}: {' '.join(command)}\n{tail}")
+        lines = [line for line in result.stdout.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+        raise SimRunError(f"gasloc-sim exited {result.returncode}: {' '.join(command)}\n" + "\n".join(lines[-15:]))
     record = json.loads((out / "summary.json").read_text())
     return {"overrides": overrides, "val_loss": record["final"]["val_loss"], "goodput": record["sim"]["goodput"],
             "wall_time_s": record["wall_time_s"], "bytes_sent": record["bytes_sent"],

@@ -1,0 +1,226 @@
+"""Across clouds, which method reaches the loss first? Every scenario, at n workers, in simulated time.
+
+For each scenario (a network preset scaled to n workers) and each method, on equal steps:
+
+- **Methods.** ``ddp`` (modelled in the simulator as parameter averaging after every step: DiLoCo with
+  H = 1, eta = 1, gamma = 0, the same bytes per step as DDP's gradient all-reduce), ``diloco`` (plain),
+  ``streaming_diloco`` (4 fragments, overlap, int4 pseudo-gradients), and GASLoC's best forms:
+  ``gasloc_one_peer`` (overlap), ``gasloc_bw_spread`` (bandwidth-aware spread schedule, overlap),
+  ``gasloc_compressed`` (one_peer, overlap, int8 or int4 messages) and ``gasloc_streamed`` (one_peer,
+  4 fragments, each exchange under one step of compute).
+- **Protocol.** Each method's outer step (eta, gamma) and, where it has a choice, its codec are tuned
+  on the tuning seed (0) by the metric below; the chosen configuration then runs on the held-out seeds
+  (1 and 2), and only those are reported.
+- **Metric.** Every method runs ``1.5 x steps`` steps and validates every round. The target is plain
+  DiLoCo's validation loss at ``steps`` on the same seed; a method's time is the simulated time of its
+  first validation at or below the target, reported as a ratio to plain DiLoCo's time (< 1: faster;
+  None: never reached). Goodput (useful compute / wall time) comes from the simulator.
+
+Usage::
+
+    python benchmarks/multicloud.py --workers 8 --out docs/multicloud
+    python benchmarks/multicloud.py --workers 64 --scenarios two_clusters jitter --out docs/multicloud
+    python benchmarks/multicloud.py --plot --out docs/multicloud     # the figure from the JSON files there
+
+Results: ``<out>/multicloud_n<workers>.json`` (one per n, merged by scenario) and ``<out>/multicloud.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sim_runs import SimRunError, run_sim, slug, time_to_reach
+
+SCENARIOS = ("two_clusters", "cloud_mix", "many_sites", "jitter", "preemption")
+TARGET_STEPS_SHARE = 1.0 / 1.5  # the target is plain DiLoCo's loss at 2/3 of every run's steps
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method's fixed overrides and its tuning grid (label -> overrides; empty: nothing to tune)."""
+
+    overrides: tuple[str, ...]
+    grid: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    inner_steps: int | None = None  # None: the scenario's H
+
+
+def _outer_grid(points: tuple[tuple[float, float], ...]) -> dict[str, tuple[str, ...]]:
+    return {f"eta={eta},gamma={gamma}": (f"strategy.outer_lr={eta}", f"strategy.outer_momentum={gamma}")
+            for eta, gamma in points}
+
+
+_DILOCO_OUTER = _outer_grid(((1.0, 0.3), (0.7, 0.5), (0.7, 0.9)))
+_GASLOC_OUTER = _outer_grid(((0.7, 0.5), (0.7, 0.7), (1.0, 0.3)))
+_ONE_PEER = ("strategy=gasloc", "topology=one_peer")
+
+METHODS = {
+    "ddp": Method(("strategy=diloco", "strategy.outer_lr=1.0", "strategy.outer_momentum=0.0"), inner_steps=1),
+    "diloco": Method(("strategy=diloco",), _DILOCO_OUTER),
+    "streaming_diloco": Method(("strategy=diloco", "strategy.fragments=4", "strategy.overlap=true",
+                                "strategy.message_codec=int4"), _DILOCO_OUTER),
+    "gasloc_one_peer": Method((*_ONE_PEER, "overlap=true"), _GASLOC_OUTER),
+    "gasloc_bw_spread": Method(("strategy=gasloc", "topology=bandwidth_aware", "topology.schedule=spread",
+                                "overlap=true"), _GASLOC_OUTER),
+    "gasloc_compressed": Method((*_ONE_PEER, "overlap=true"), {
+        f"{codec},{label}": (f"strategy.message_codec={codec}", *outer)
+        for codec in ("int8", "int4") for label, outer in list(_GASLOC_OUTER.items())[:2]}),
+    "gasloc_streamed": Method((*_ONE_PEER, "strategy.fragments=4", "strategy.fragment_sync_delay=1"), _GASLOC_OUTER),
+}
+
+
+def scenario_overrides(scenario: str) -> list[str]:
+    """The ``network=`` preset; every preset scales itself to ``sim.workers`` (clusters and sites in proportion)."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    return [f"network={scenario}"]
+
+
+class Scenario:
+    """One scenario at n workers: tune every method on the tuning seed, then run the held-out seeds."""
+
+    def __init__(self, name: str, workers: int, steps: int, inner_steps: int, folder: Path):
+        self.name, self.folder, self.inner_steps = name, folder, inner_steps
+        self.steps = 3 * steps // 2
+        self.target_step = steps
+        self.base = [f"sim.workers={workers}", f"trainer.max_steps={self.steps}",
+                     f"trainer.val_check_interval={inner_steps}", *scenario_overrides(name)]
+
+    def run(self, method: str, overrides: tuple[str, ...], seed: int, label: str) -> dict:
+        spec = METHODS[method]
+        inner_steps = f"inner_steps={spec.inner_steps or self.inner_steps}"
+        return run_sim([*self.base, inner_steps, *spec.overrides, *overrides, f"seed={seed}"],
+                       self.folder / slug(f"{method}_{label}_seed{seed}"))
+
+    def target(self, diloco_run: dict) -> tuple[float, float]:
+        """Plain DiLoCo's (loss, simulated time) at the target step: what every method must reach."""
+        _, loss, sim_time = max((p for p in diloco_run["trace"] if p[0] <= self.target_step), key=lambda p: p[0])
+        return loss, sim_time
+
+    def score(self, run: dict, target: tuple[float, float]) -> dict:
+        reached = time_to_reach(run["trace"], target[0])
+        return {"val_loss": run["val_loss"], "goodput": run["goodput"], "bytes_sent": run["bytes_sent"],
+                "time_to_target": reached, "ratio": None if reached is None else reached / target[1]}
+
+    def tune(self, seed: int) -> dict[str, dict]:
+        """Each method's chosen grid point on ``seed``: plain DiLoCo by its loss at the target step, the
+        others by their time to that loss (then by final loss)."""
+        chosen: dict[str, dict] = {}
+        diloco = {label: self.run("diloco", extra, seed, label) for label, extra in METHODS["diloco"].grid.items()}
+        best = min(diloco, key=lambda label: self.target(diloco[label])[0])
+        chosen["diloco"] = {"label": best, "overrides": METHODS["diloco"].grid[best],
+                            "losses": {label: self.target(run)[0] for label, run in diloco.items()}}
+        target = self.target(diloco[best])
+        for method, spec in METHODS.items():
+            if method == "diloco":
+                continue
+            grid = spec.grid or {"default": ()}
+            try:
+                scores = {label: self.score(self.run(method, extra, seed, label), target)
+                          for label, extra in grid.items()}
+            except SimRunError as error:  # a method the scenario cannot run (it says why): reported, not fatal
+                chosen[method] = {"error": str(error).splitlines()[-1]}
+                print(f"  {method}: cannot run here: {chosen[method]['error']}", flush=True)
+                continue
+            label = min(scores, key=lambda k: (scores[k]["time_to_target"] or math.inf, scores[k]["val_loss"]))
+            chosen[method] = {"label": label, "overrides": grid[label], "scores": scores}
+            print(f"  tuned {method}: {label}", flush=True)
+        return chosen
+
+    def held_out(self, chosen: dict[str, dict], seeds: tuple[int, ...]) -> dict[str, dict]:
+        runnable = [method for method in METHODS if "error" not in chosen[method]]
+        results: dict[str, dict] = {method: {"seeds": {}} for method in runnable}
+        for seed in seeds:
+            diloco = self.run("diloco", chosen["diloco"]["overrides"], seed, "chosen")
+            target = self.target(diloco)
+            for method in runnable:
+                run = diloco if method == "diloco" else self.run(method, chosen[method]["overrides"], seed, "chosen")
+                results[method]["seeds"][str(seed)] = {**self.score(run, target), "target_loss": target[0],
+                                                       "diloco_time": target[1]}
+        for result in results.values():
+            result |= _summary(list(result["seeds"].values()))
+        return results
+
+
+def _summary(per_seed: list[dict]) -> dict:
+    ratios = [s["ratio"] for s in per_seed]
+    reached = [r for r in ratios if r is not None]
+    return {"ratio_mean": statistics.mean(reached) if len(reached) == len(ratios) else None,
+            "ratios": ratios, "goodput_mean": statistics.mean(s["goodput"] for s in per_seed),
+            "val_loss_mean": statistics.mean(s["val_loss"] for s in per_seed)}
+
+
+def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
+        seeds: tuple[int, ...], out: Path) -> None:
+    path = out / f"multicloud_n{workers}.json"
+    record = json.loads(path.read_text()) if path.is_file() else {"workers": workers, "scenarios": {}}
+    for name in scenarios:
+        print(f"{name} at n = {workers}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            scenario = Scenario(name, workers, steps, inner_steps, Path(tmp))
+            chosen = scenario.tune(tuning_seed)
+            results = scenario.held_out(chosen, seeds)
+        record["scenarios"][name] = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps,
+                                     "tuning_seed": tuning_seed, "held_out_seeds": list(seeds),
+                                     "tuning": chosen, "results": results}
+        _print_table(name, results)
+        path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # after every scenario
+
+
+def _print_table(name: str, results: dict[str, dict]) -> None:
+    print(f"  {'method':20s} {'time / diloco':>14s}  {'per seed':>18s} {'goodput':>8s} {'val loss':>9s}")
+    for method, result in results.items():
+        mean = "never" if result["ratio_mean"] is None else f"{result['ratio_mean']:.3f}"
+        seeds = ", ".join("never" if r is None else f"{r:.3f}" for r in result["ratios"])
+        print(f"  {method:20s} {mean:>14s}  {seeds:>18s} {result['goodput_mean']:8.3f} {result['val_loss_mean']:9.4f}")
+
+
+def plot(out: Path) -> None:
+    from matplotlib.figure import Figure
+
+    records = sorted((json.loads(p.read_text()) for p in out.glob("multicloud_n*.json")), key=lambda r: r["workers"])
+    scenarios = sorted({name for record in records for name in record["scenarios"]})
+    figure = Figure(figsize=(4 * max(len(scenarios), 1), 4))
+    for axes, scenario in zip(figure.subplots(1, len(scenarios), squeeze=False)[0], scenarios):
+        for record in records:
+            results = record["scenarios"].get(scenario, {}).get("results", {})
+            methods = list(results)
+            ratios = [results[m]["ratio_mean"] or math.nan for m in methods]
+            axes.plot(range(len(methods)), ratios, "o", label=f"n = {record['workers']}")
+            axes.set_xticks(range(len(methods)), [m.replace("_", "\n") for m in methods], fontsize=6)
+        axes.axhline(1.0, color="grey", lw=0.8)
+        axes.set(title=scenario, ylabel="time to plain DiLoCo's loss / DiLoCo's", yscale="log")
+        axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "multicloud.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--steps", type=int, default=60, help="plain DiLoCo's steps: the target (runs get 1.5x)")
+    parser.add_argument("--inner-steps", type=int, default=10, help="H")
+    parser.add_argument("--tuning-seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="held-out seeds, reported")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/multicloud"))
+    parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
+    args = parser.parse_args()
+    if args.tuning_seed in args.seeds:
+        parser.error("--tuning-seed must not be one of the held-out --seeds")
+    if args.steps < 2 * args.inner_steps or args.workers < 2:
+        parser.error("--steps must cover at least two rounds (2 x --inner-steps) and --workers must be >= 2")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.plot:
+        run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed, tuple(args.seeds),
+            args.out)
+    plot(args.out)
+
+
+if __name__ == "__main__":
+    main()
