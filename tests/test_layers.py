@@ -23,6 +23,7 @@ LAYERS = [
     {"strategies"},
     {"data", "models"},
     {"sim"},  # trains the models on the data, with the math layers' rounds (never the strategies')
+    {"netlab"},  # sites as network namespaces; runs the apps' workers in them as processes, never imports the app
     {"app"},
 ]
 MATH_LAYERS = {"algorithm", "topology", "network", "comm"}

@@ -662,3 +662,17 @@ def test_bandwidth_aware_world_size_and_sizes_are_checked():
 if __name__ == "__main__" and sys.argv[1:] == ["--regenerate-matchings"]:
     FIXTURE.parent.mkdir(exist_ok=True)
     FIXTURE.write_text(json.dumps(_draw_fixture(), separators=(",", ":")) + "\n")
+
+
+def test_bandwidth_aware_clusters_scale_with_the_network():
+    """A preset's clusters scaled to the run's workers, as the network scales its own (topology=bandwidth_aware
+    with network=two_clusters at sim.workers=64 pairs 32 + 32 ranks, not the preset's 4 + 4)."""
+    from gasloc_lightning.network import scaled_sizes
+
+    for sizes, n in (([4, 4], 64), ([4, 2, 2], 16), ([2, 2, 2, 2], 10)):
+        topology = BandwidthAwareTopology.from_clusters(sizes, scale_to=n)
+        assert list(topology.cluster_sizes) == scaled_sizes(sizes, n)
+        assert sum(topology.cluster_sizes) == n
+    assert list(BandwidthAwareTopology.from_clusters([4, 4], scale_to=None).cluster_sizes) == [4, 4]
+    with pytest.raises(TopologyError, match="cannot hold"):
+        BandwidthAwareTopology.from_clusters([4, 2, 2], scale_to=2)

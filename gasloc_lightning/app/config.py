@@ -50,6 +50,7 @@ class BandwidthAwareTopologySchema(TopologySchema):
     sizes: list[int] = MISSING
     slow_link_rate: float = 0.2
     schedule: str = "concentrated"
+    scale_to: Optional[int] = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from gasloc_lightning.algorithm import stability
+from gasloc_lightning.network.model import scaled_sizes
 
 from gasloc_lightning.topology.base import _is_index, Topology, TopologyError, _DTYPE
 from gasloc_lightning.topology.matchings import RoundRandom, _matching_matrix
@@ -247,7 +248,8 @@ class BandwidthAwareTopology(Topology):
 
     @classmethod
     def from_clusters(
-        cls, sizes: Sequence[int], slow_link_rate: float = 0.2, seed: int = 0, schedule: str = "concentrated"
+        cls, sizes: Sequence[int], slow_link_rate: float = 0.2, seed: int = 0, schedule: str = "concentrated",
+        scale_to: int | None = None,
     ) -> BandwidthAwareTopology:
         """Clusters of the given sizes over consecutive ranks (node-major, as torchrun numbers them).
 
@@ -256,10 +258,17 @@ class BandwidthAwareTopology(Topology):
             slow_link_rate: see the class.
             seed: see the class.
             schedule: see the class.
+            scale_to: the clusters scaled in proportion to this many ranks, as a network preset scales
+                its own (:func:`gasloc_lightning.network.scaled_sizes`); None: ``sizes`` as given.
         """
         valid = not isinstance(sizes, (str, numbers.Number)) and len(sizes) > 0
         if not valid or not all(_is_index(size) and size > 0 for size in sizes):
             raise TopologyError(f"sizes must be a non-empty list of positive ints, got {sizes!r}")
+        if scale_to is not None:
+            try:
+                sizes = scaled_sizes(list(sizes), scale_to)
+            except ValueError as error:
+                raise TopologyError(str(error)) from None
         labels = [index for index, size in enumerate(sizes) for _ in range(size)]
         return cls(clusters=labels, slow_link_rate=slow_link_rate, schedule=schedule, seed=seed)
 
