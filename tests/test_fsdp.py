@@ -430,3 +430,17 @@ def test_export_puts_uneven_shards_together(tmp_path):
     report = export_consensus(directory, tmp_path / "out.ckpt")
     exported = torch.load(tmp_path / "out.ckpt", weights_only=True)["state_dict"]
     assert report["replicas"] == 1 and torch.equal(exported["w"], whole) and torch.equal(exported["b"], torch.zeros(1))
+
+
+def test_loading_local_state_reshards_fsdp_modules_only():
+    """A user module with a method named ``reshard`` (not FSDP2's) is not called by a load."""
+    from gasloc_lightning.strategies.sharded_state import load_local_module_state
+
+    class Custom(torch.nn.Linear):
+        def reshard(self, factor):  # the user's own meaning
+            raise AssertionError("called")
+
+    module = torch.nn.Sequential(Custom(2, 2))
+    state = {name: torch.zeros_like(value) for name, value in module.state_dict().items()}
+    load_local_module_state(module, state)
+    assert all(torch.equal(value, torch.zeros_like(value)) for value in module.state_dict().values())

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
@@ -52,7 +53,7 @@ def load_local_module_state(module: nn.Module, state: Mapping[str, Tensor], stri
                                f"{tuple(target.shape)} (resume with the same ranks_per_worker and world size)")
         target.copy_(value)
     for submodule in module.modules():  # a module that kept its parameters gathered must gather the new shards
-        if hasattr(submodule, "reshard"):
+        if isinstance(submodule, FSDPModule):  # FSDP2's reshard, not any method of that name
             submodule.reshard()
 
 
