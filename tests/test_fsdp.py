@@ -211,6 +211,11 @@ def test_sharded_run_resumes_exactly_and_exports_the_whole_consensus(tmp_path, f
     for name, value in exported.items():
         assert torch.allclose(value, (workers[0][name] + workers[1][name]) / 2, atol=1e-7), name
     assert not torch.equal(workers[0]["net.0.weight"], workers[1]["net.0.weight"])  # an average, not a copy
+    fresh_port()  # shards do not resume a run whose ranks hold whole replicas
+    ddp = GASLoCStrategy(inner_steps=2, ranks_per_worker=K, topology="ring", message_codec="int8", error_feedback=True,
+                         start_method="fork", gossip_timeout=30.0, consensus_every=0)
+    with pytest.raises(Exception, match="saved with intra_worker='fsdp', this run has intra_worker='ddp'"):
+        _fit(ddp, tmp_path / "ddp", max_steps=8, model=EvenRegressor(batches=4), ckpt_path=str(tmp_path / "ck"))
 
 
 def _elastic_strategy(**kwargs):

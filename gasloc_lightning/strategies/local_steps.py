@@ -743,9 +743,26 @@ class LocalStepsStrategy(DDPStrategy):
         gasloc = checkpoint.pop("gasloc", None)
         self._restored_per_rank_state = gasloc is not None
         if gasloc is not None:
+            self._check_saved_shards(checkpoint_path, gasloc.get("shards"))
             self.load_strategy_state_dict(gasloc["strategy"])
             self._pending_rng = gasloc["rng"]
         return checkpoint
+
+    def _check_saved_shards(self, path: str | os.PathLike, shards: Any) -> None:
+        """A per-rank checkpoint holds this rank's shard (intra_worker='fsdp') or its whole replica ('ddp'): it
+        resumes only a run that lays the worker out the same way."""
+        saved = "ddp" if shards is None else "fsdp"
+        if saved != self.intra_worker:
+            raise ckpt.CheckpointFormatError(
+                f"checkpoint {path} was saved with intra_worker={saved!r}, this run has intra_worker="
+                f"{self.intra_worker!r}: resume with intra_worker={saved!r}, or export the consensus (gasloc-export) "
+                "and start a new run from it")
+        if shards is not None and (not isinstance(shards, Mapping) or shards.get("count") != self.ranks_per_worker
+                                   or shards.get("index") != self.shard_index):
+            count = shards.get("count") if isinstance(shards, Mapping) else None
+            raise ckpt.CheckpointFormatError(
+                f"checkpoint {path} holds shards of workers of {count!r} ranks, this run has ranks_per_worker="
+                f"{self.ranks_per_worker}: resume with the saved ranks_per_worker")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
