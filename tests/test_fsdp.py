@@ -449,3 +449,15 @@ def test_loading_local_state_reshards_fsdp_modules_only():
     state = {name: torch.zeros_like(value) for name, value in module.state_dict().items()}
     load_local_module_state(module, state)
     assert all(torch.equal(value, torch.zeros_like(value)) for value in module.state_dict().values())
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
+def test_every_multiprocessing_start_method_hands_back_the_whole_model(start_method):
+    """Lightning's multiprocessing launcher serves spawn, fork and forkserver alike: each must be the sharded one,
+    or rank 0 returns its shard's DTensors, which the launching process cannot load, at the end of the fit."""
+    from gasloc_lightning.strategies.launcher import ShardedResultsLauncher
+
+    strategy = GASLoCStrategy(ranks_per_worker=K, intra_worker="fsdp", start_method=start_method)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    assert isinstance(trainer.strategy.launcher, ShardedResultsLauncher)

@@ -74,7 +74,7 @@ class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
 
 
 class ShardedResultsLauncher(_MultiProcessingLauncher):
-    """Lightning's multiprocessing launcher (``spawn``, ``fork``) for workers sharded with FSDP2.
+    """Lightning's multiprocessing launcher (``spawn``, ``fork``, ``forkserver``) for workers sharded with FSDP2.
 
     Lightning returns rank 0's ``state_dict()`` to the launching process; a sharded rank's holds DTensors (its
     shard and a device mesh) that the launching process, which has no process group, cannot load. The strategy

@@ -312,7 +312,7 @@ class LocalStepsStrategy(DDPStrategy):
         # configuration errors surface at Trainer(...) instead of inside every child.
         self.check_configuration(self.num_nodes * self.num_processes)
         super()._configure_launcher()
-        if self.sharded and self._start_method in ("spawn", "fork"):
+        if self.sharded and self._start_method in ("spawn", "fork", "forkserver"):  # Lightning's multiprocessing ones
             self._launcher = ShardedResultsLauncher(self, start_method=self._start_method)
         if self._start_method == "popen":
             self._launcher = StoppingSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
