@@ -129,3 +129,11 @@ def test_a_plan_refuses_what_is_not_a_network_model():
     with pytest.raises(ValueError, match="NetworkModel"):
         plan_lab(object(), workers=2, bandwidth_scale=0.1)  # type: ignore[arg-type]
     assert LabPlan(addresses=("a",), worker_sites=(0,), rates_mbit=((0.0,),)).workers_in(0) == [0]
+
+
+def test_many_sites_gets_each_sites_uplink_shared_by_its_flows():
+    plan = plan_lab(_preset("many_sites"), workers=8, bandwidth_scale=0.01)
+    assert plan.sites == 4 and plan.worker_sites == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert plan.rates_mbit[2][3] == pytest.approx(10.0)  # min(2, 1) Gbit/s x 0.01
+    assert plan.uplinks_mbit == pytest.approx((50.0, 50.0, 20.0, 10.0))  # site 0's own 100 is not in the pairs
+    assert plan_lab(_preset("two_clusters"), workers=4, bandwidth_scale=0.01).uplinks_mbit is None

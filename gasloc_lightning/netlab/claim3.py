@@ -18,13 +18,15 @@ from pathlib import Path
 
 BASE = ["experiment=demo", "network=two_clusters", "netlab.mode=train", "trainer.devices=8",
         "trainer.enable_progress_bar=false", "trainer.val_check_interval=10", "data.val_batches=4"]
-METHODS = {
-    "diloco": ["strategy=diloco"],
-    "gasloc spread+overlap+bf16": ["strategy=gasloc", "topology=bandwidth_aware", "topology.sizes=[4,4]",
-                                   "topology.schedule=spread", "overlap=true", "strategy.message_codec=bfloat16",
-                                   "strategy.outer_momentum=0.7"],
-    "streaming diloco (F=4, overlap, int4)": ["strategy=diloco", "strategy.fragments=4", "strategy.overlap=true",
-                                              "strategy.message_codec=int4"],
+METHODS = {  # name: (folder, overrides)
+    "diloco": ("diloco", ["strategy=diloco"]),
+    "gasloc spread+overlap+bf16": ("gasloc", [
+        "strategy=gasloc", "topology=bandwidth_aware", "topology.sizes=[4,4]", "topology.schedule=spread",
+        "overlap=true", "strategy.message_codec=bfloat16", "strategy.outer_momentum=0.7"]),
+    "gasloc one_peer+overlap": ("gasloc_one_peer", [
+        "strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.outer_momentum=0.7"]),
+    "streaming diloco (F=4, overlap, int4)": ("streaming", [
+        "strategy=diloco", "strategy.fragments=4", "strategy.overlap=true", "strategy.message_codec=int4"]),
 }
 
 
@@ -51,9 +53,14 @@ def time_to(points: list[tuple[int, float, float]], target: float) -> float | No
     return next((seconds for _, seconds, loss in points if loss <= target + 1e-9), None)
 
 
-def run_method(name: str, seed: int, steps: int, scale: float, folder: Path) -> list[tuple[int, float, float]]:
+def run_method(name: str, seed: int, steps: int, scale: float, out: Path,
+               reuse: bool = False) -> list[tuple[int, float, float]]:
+    """Run ``name`` for ``seed`` (or, with ``reuse``, read the run already in its folder); its curve."""
+    folder = out / f"seed{seed}" / METHODS[name][0]
+    if reuse and (folder / "csv" / "metrics.csv").exists():
+        return curve(folder / "csv" / "metrics.csv")
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *BASE, *METHODS[name], f"seed={seed}",
+    command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *BASE, *METHODS[name][1], f"seed={seed}",
                f"trainer.max_steps={steps}", f"netlab.bandwidth_scale={scale}", f"output_dir={folder}",
                f"hydra.run.dir={folder}"]
     with open(folder / "netlab.log", "w") as log_file:
@@ -70,15 +77,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", type=float, default=0.002, help="netlab.bandwidth_scale (0.002: 2 Mbit/s)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reuse", action="store_true", help="read runs already under --out instead of rerunning")
     args = parser.parse_args(argv)
     results = []
     for seed in args.seeds:
-        reference = run_method("diloco", seed, args.steps, args.scale, args.out / f"seed{seed}" / "diloco")
+        reference = run_method("diloco", seed, args.steps, args.scale, args.out, args.reuse)
         target = reference[-1][2]
         diloco_s = time_to(reference, target)  # its first validation at its final loss (losses are not monotone)
         for name in args.methods:
             points = reference if name == "diloco" else run_method(
-                name, seed, int(1.5 * args.steps), args.scale, args.out / f"seed{seed}" / name.split()[0])
+                name, seed, int(1.5 * args.steps), args.scale, args.out, args.reuse)
             seconds = time_to(points, target)
             results.append({"seed": seed, "method": name, "target": target, "seconds": seconds,
                             "ratio": None if seconds is None else seconds / diloco_s, "final_loss": points[-1][2],

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 PREFIX = "glab-"
 SITE_DEVICE = "wan"  # the site's end of its link, in every site namespace
 _DEFAULT_CLASS_RATE = "10gbit"  # non-IP frames (ARP) and anything no filter matches
+_UPLINK_CLASS = "1:2"  # the site's uplink, parent of its per-site classes (presets with uplinks only)
 _CLONE_NEWNET = 0x40000000
 _GSO_MAX_BYTES = 16384
 _QUEUE_S = 0.05  # a class holds at most this many seconds of its rate
@@ -115,11 +116,18 @@ class Lab:
         run("tc", "-n", ns, "qdisc", "add", "dev", SITE_DEVICE, "root", "handle", "1:", "htb", "default", "1")
         run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", "1:", "classid", "1:1", "htb",
             "rate", _DEFAULT_CLASS_RATE)
+        parent = "1:"
+        if self.plan.uplinks_mbit is not None:  # every flow leaving the site shares its uplink (in: below)
+            parent = _UPLINK_CLASS
+            uplink = self.plan.uplinks_mbit[site]
+            run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", "1:", "classid", parent, "htb",
+                *_rate_args(uplink))
+            self._shape_ingress(site, uplink)
         for other in range(self.plan.sites):
             if other == site:
                 continue
-            run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", "1:", "classid", _class(other),
-                "htb", *_rate_args(self._rates[site][other]))
+            run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", parent, "classid", _class(other),
+                "htb", *self._class_args(site, other))
             # A short queue under each class (fq_codel, sfq and netem are not in this kernel): gloo sends both
             # directions of a pair over one TCP connection, so a deep queue holds one direction's ACKs behind
             # the other's data for seconds and a two-way exchange serialises.
@@ -127,6 +135,24 @@ class Lab:
                 str(_queue_bytes(self._rates[site][other])))
             run("tc", "-n", ns, "filter", "add", "dev", SITE_DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
                 "u32", "match", "ip", "dst", f"{self.plan.addresses[other]}/32", "flowid", _class(other))
+
+    def _shape_ingress(self, site: int, mbit: float) -> None:
+        """What enters ``site`` crosses its uplink too: its backbone port's egress, capped at ``mbit``."""
+        port = f"s{site}"
+        run("tc", "-n", self.backbone, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1")
+        run("tc", "-n", self.backbone, "class", "add", "dev", port, "parent", "1:", "classid", "1:1", "htb",
+            *_rate_args(mbit))
+        run("tc", "-n", self.backbone, "qdisc", "add", "dev", port, "parent", "1:1", "bfifo", "limit",
+            str(_queue_bytes(mbit)))
+
+    def _class_args(self, site: int, other: int) -> list[str]:
+        """htb rate and ceil of the class from ``site`` to ``other``: its pair rate; under an uplink, a fair share
+        of the uplink guaranteed and the pair rate as ceiling."""
+        ceil = self._rates[site][other]
+        if self.plan.uplinks_mbit is None:
+            return _rate_args(ceil)
+        share = min(ceil, self.plan.uplinks_mbit[site] / (self.plan.sites - 1))
+        return ["rate", _kbit(share), "ceil", _kbit(ceil)]
 
     # ---------------------------------------------------------------- use
     def wrap(self, command: list[str], site: int) -> list[str]:
@@ -155,9 +181,10 @@ class Lab:
             for a, b in ((site, other), (other, site)):
                 planned = self.plan.rates_mbit[a][b]
                 rate = planned if mbit is None else min(planned, mbit)
-                run("tc", "-n", self.site_namespace(a), "class", "change", "dev", SITE_DEVICE, "parent", "1:",
-                    "classid", _class(b), "htb", *_rate_args(rate))
                 self._rates[a][b] = rate
+                parent = "1:" if self.plan.uplinks_mbit is None else _UPLINK_CLASS
+                run("tc", "-n", self.site_namespace(a), "class", "change", "dev", SITE_DEVICE, "parent", parent,
+                    "classid", _class(b), "htb", *self._class_args(a, b))
 
     def rates_mbit(self) -> list[list[float]]:
         """The rates in force now (the plan's, unless a ``slow`` fault holds)."""
@@ -200,9 +227,12 @@ def _queue_bytes(mbit: float) -> int:
     return max(_QUEUE_MIN_BYTES, int(mbit * 1e6 / 8 * _QUEUE_S))
 
 
+def _kbit(mbit: float) -> str:
+    return f"{max(mbit, 0.001) * 1000:.0f}kbit"
+
+
 def _rate_args(mbit: float) -> list[str]:
-    rate = f"{max(mbit, 0.001) * 1000:.0f}kbit"
-    return ["rate", rate, "ceil", rate]
+    return ["rate", _kbit(mbit), "ceil", _kbit(mbit)]
 
 
 def _kill_inside(ns: str) -> None:

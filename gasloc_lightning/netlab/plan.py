@@ -6,7 +6,8 @@ anywhere. One site per cluster of the model. Worker ``w`` of ``W`` takes the sit
 workers 0-1 in site 0 and 2-3 in site 1. The link from site a to site b is shaped to the model's
 ``bandwidth(a, b) x bandwidth_scale``: the model's Gbit/s are data-centre rates this machine cannot move, so the
 lab runs them slower by one factor, and the measured seconds compare to the model's at ``nbytes / scale``.
-Latency is not emulated (the kernel here has no ``netem``): see ``docs/netlab.md``.
+Latency is not emulated (the kernel here has no ``netem``): see ``docs/netlab.md``. A preset with per-site
+uplinks (``many_sites``, ``NetworkModel.sites``) also gets each site's uplink, shared by all its flows.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ class LabPlan:
         addresses: the IP of every site (site i is ``SUBNET``'s host i + 1).
         worker_sites: the site of every worker.
         rates_mbit: ``rates_mbit[a][b]``: the shaped rate from site a to site b, Mbit/s (diagonal unused).
+        uplinks_mbit: each site's uplink, Mbit/s, shared by every flow leaving (and entering) the site; None:
+            no uplinks, every site pair has its own link (``two_clusters``, ``cloud_mix``).
     """
 
     addresses: tuple[str, ...]
     worker_sites: tuple[int, ...]
     rates_mbit: tuple[tuple[float, ...], ...]
+    uplinks_mbit: tuple[float, ...] | None = None
 
     @property
     def sites(self) -> int:
@@ -72,7 +76,18 @@ def plan_lab(network: NetworkModel, *, workers: int, bandwidth_scale: float) -> 
     rates = tuple(tuple(0.0 if a == b else _mbit(network, first[a], first[b]) * bandwidth_scale
                         for b in range(k)) for a in range(k))
     addresses = tuple(str(SUBNET[1 + site]) for site in range(k))
-    return LabPlan(addresses=addresses, worker_sites=sites, rates_mbit=rates)
+    uplinks = _uplinks(rates) if getattr(network, "uplinks", False) else None
+    return LabPlan(addresses=addresses, worker_sites=sites, rates_mbit=rates, uplinks_mbit=uplinks)
+
+
+def _uplinks(rates: tuple[tuple[float, ...], ...]) -> tuple[float, ...] | None:
+    """Each site's uplink from a ``NetworkModel.sites`` preset, whose pair rate is ``min(uplink_a, uplink_b)``: the
+    fastest pair of each site. Exact for every site but the fastest, which gets the second fastest's uplink (its
+    own is not in the model's pair table); a single site pair has no sharing to shape."""
+    k = len(rates)
+    if k < 3:
+        return None
+    return tuple(max(rates[a][b] for b in range(k) if b != a) for a in range(k))
 
 
 def _mbit(network: NetworkModel, i: int, j: int) -> float:
