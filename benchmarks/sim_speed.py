@@ -7,7 +7,10 @@ Two measurements (issue 13's targets):
 2. At 256 workers: the simulator's seconds per step, projected to 1,000 steps; target: at most 30 min.
 3. ``--churn``: down workers cost no compute. The same simulated run with no worker down and with 20% of
    them down in every round (a replayed membership, ``sim.live_by_round``: no joins, so only the compute
-   differs); target: the 20%-down run at least 1.2x faster (the ideal is 1 / 0.8 = 1.25x).
+   differs), alternated ``--churn-repeats`` times, the training loop timed in this process on one torch
+   thread (wall and CPU time), and its floating-point operations counted once (deterministic: what the
+   compute saving is when the machine's load makes times noisy); target: the 20%-down run at least 1.2x
+   faster (ideal for the training steps: 1 / 0.8 = 1.25x; the final validation costs the same in both).
 
 Usage::
 
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,13 +39,12 @@ COMMON = ["experiment=demo", "strategy=gasloc", "trainer.enable_progress_bar=fal
 
 def _run(script: str, overrides: list[str], out: Path) -> dict:
     command = [str(BIN / script), *COMMON, *overrides, f"output_dir={out}"]
-    start, used = time.perf_counter(), _children_cpu_s()
+    start = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    total, cpu = time.perf_counter() - start, _children_cpu_s() - used
+    total = time.perf_counter() - start
     record = json.loads((out / "summary.json").read_text())
     steps, workers = record["budget"]["steps"], record["world_size"]
     return {"script": script, "workers": workers, "steps": steps, "loop_s": record["wall_time_s"], "total_s": total,
-            "cpu_s": cpu,
             "worker_steps_per_s": workers * steps / record["wall_time_s"], "val_loss": record["final"]["val_loss"]}
 
 
@@ -67,33 +68,56 @@ def measure(steps: int, big_steps: int, big_workers: int) -> dict:
     }
 
 
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def _timed_loop(overrides: list[str], count_flops: bool = False) -> dict:
+    """Build a simulated run in this process and time its training loop only: wall and this process's CPU time
+    (one torch thread, so that no OpenMP thread spins on a shared machine); or, with ``count_flops``, count the
+    loop's floating-point operations instead (torch's FlopCounterMode: deterministic, blind to the load)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hydra import compose, initialize_config_dir
+
+    from gasloc_lightning.app import sim as sim_app
+    from gasloc_lightning.app.config import config_dir
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("sim/app", overrides=[*COMMON, *overrides])
+    simulator, parts = sim_app.build(cfg)
+    if count_flops:
+        with FlopCounterMode(display=False) as counter:
+            simulator.train()
+        return {"loop_flops": counter.get_total_flops()}
+    wall, cpu = time.perf_counter(), time.process_time()
+    final = simulator.train()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return {"loop_wall_s": wall, "loop_cpu_s": cpu, "val_loss": final.get("val/loss"),
+            "goodput": 1.0 if parts["churn"] is None else parts["churn"].goodput()}
 
 
 def measure_churn(workers: int, steps: int, batch_size: int, repeats: int, down_fraction: float = 0.2) -> dict:
-    """The simulator with no worker down and with ``down_fraction`` of them down every round, run alternately
-    ``repeats`` times each (a shared machine's load drifts): wall time of the training loop and CPU time of the
-    whole process (start-up included, the same in both), as medians."""
+    """The simulator with no worker down and with ``down_fraction`` of them down every round, alternately
+    ``repeats`` times each (a shared machine's load drifts): the training loop's wall and CPU time, medians."""
     live = list(range(workers - round(down_fraction * workers)))
-    base = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "data.val_batches=1",
-            f"data.batch_size={batch_size}",
-            f"sim.workers={workers}", "sim.progress_every=0", "sim.min_live=1"]
-    replay = f"sim.live_by_round=[[{','.join(map(str, live))}]]"
     runs: dict[str, list[dict]] = {"none_down": [], "down": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for k in range(repeats):
-            runs["none_down"].append(_run("gasloc-sim", base, Path(tmp) / f"none{k}"))
-            runs["down"].append(_run("gasloc-sim", [*base, replay], Path(tmp) / f"down{k}"))
+        base = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "data.val_batches=1",
+                f"data.batch_size={batch_size}", f"sim.workers={workers}", "sim.progress_every=0", "sim.min_live=1",
+                "sim.threads=1", f"output_dir={tmp}", f"hydra.run.dir={tmp}"]
+        replay = f"sim.live_by_round=[[{','.join(map(str, live))}]]"
+        for _ in range(repeats):
+            runs["none_down"].append(_timed_loop(base))
+            runs["down"].append(_timed_loop([*base, replay]))
+            print(runs["none_down"][-1], runs["down"][-1], flush=True)
+        flops = {"none_down": _timed_loop(base, count_flops=True)["loop_flops"],
+                 "down": _timed_loop([*base, replay], count_flops=True)["loop_flops"]}
 
     def median(name: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[name])
 
-    return {"workers": workers, "steps": steps, "batch_size": batch_size, "repeats": repeats,
+    return {"workers": workers, "steps": steps, "batch_size": batch_size, "repeats": repeats, "threads": 1,
             "down_fraction": 1 - len(live) / workers, "runs": runs,
-            "speedup_loop_wall": median("none_down", "loop_s") / median("down", "loop_s"),
-            "speedup_process_cpu": median("none_down", "cpu_s") / median("down", "cpu_s"),
+            "speedup_loop_wall": median("none_down", "loop_wall_s") / median("down", "loop_wall_s"),
+            "speedup_loop_cpu": median("none_down", "loop_cpu_s") / median("down", "loop_cpu_s"),
+            "loop_flops": flops, "flops_ratio": flops["none_down"] / flops["down"],
             "target_speedup": 1.2, "ideal_speedup": workers / len(live)}
 
 

@@ -138,7 +138,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _sim(corpus: Path, tmp_path: Path, overrides: list[str]) -> dict:
-    quick = ["experiment=demo", "trainer.max_steps=8", "trainer.val_check_interval=8", "inner_steps=2",
+    quick = ["experiment=demo", "trainer.max_steps=4", "trainer.val_check_interval=4", "inner_steps=1",
              f"data.source={corpus}", "data.val_fraction=0.25", "data.batch_size=2", "data.val_batches=1",
              f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", "sim.workers=8",
              "sim.progress_every=0"]
