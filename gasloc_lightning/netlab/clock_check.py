@@ -61,8 +61,9 @@ def without_latency(network: NetworkModel) -> NetworkModel:
     k, n = network.num_clusters, network.world_size
     members = [[r for r in range(n) if network.cluster_of(r) == c] for c in range(k)]
     gbps = [[_gbps(network, members[a], members[b]) for b in range(k)] for a in range(k)]
+    uplinks = {"uplinks": True} if getattr(network, "uplinks", False) else {}  # many_sites: flows share uplinks
     return NetworkModel(bandwidth_gbps=gbps, latency_s=[[0.0] * k for _ in range(k)],
-                        clusters=[network.cluster_of(r) for r in range(n)])
+                        clusters=[network.cluster_of(r) for r in range(n)], **uplinks)
 
 
 def _gbps(network: NetworkModel, a: list[int], b: list[int]) -> float:
