@@ -128,9 +128,9 @@ class Lab:
                 continue
             run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", parent, "classid", _class(other),
                 "htb", *self._class_args(site, other))
-            # A short queue under each class (fq_codel, sfq and netem are not in this kernel): gloo sends both
-            # directions of a pair over one TCP connection, so a deep queue holds one direction's ACKs behind
-            # the other's data for seconds and a two-way exchange serialises.
+            # A short queue under each class (fq_codel, sfq and netem are not in this kernel): the default, 1000
+            # segments, holds seconds at these rates, and gloo sends both directions of a pair over one TCP
+            # connection, so one direction's ACKs would wait behind the other's data.
             run("tc", "-n", ns, "qdisc", "add", "dev", SITE_DEVICE, "parent", _class(other), "bfifo", "limit",
                 str(_queue_bytes(self._rates[site][other])))
             run("tc", "-n", ns, "filter", "add", "dev", SITE_DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
