@@ -137,7 +137,12 @@ class StackedReplicas:
         if rows is None or rows == list(range(self.workers)):
             return [(span, span) for span in spans]
         index = torch.as_tensor(rows, device=self.flat.device)
-        return [(index[span], span) for span in spans]
+        chunks: list[tuple[slice | Tensor, slice]] = []
+        for span in spans:  # a chunk of consecutive replicas is a view (no copy of its parameters)
+            first, last = rows[span.start], rows[span.stop - 1]
+            contiguous = last - first == span.stop - span.start - 1
+            chunks.append((slice(first, last + 1) if contiguous else index[span], span))
+        return chunks
 
     @torch.no_grad()
     def losses(self, x: Tensor, y: Tensor, rows: list[int] | None = None) -> Tensor:
@@ -149,11 +154,13 @@ class StackedReplicas:
     def _backward(self, x: Tensor, y: Tensor, rows: list[int] | None = None) -> Tensor:
         """Losses and gradients, chunk by chunk: each chunk's gradients land in its rows of ``p.grad``; the rows
         of replicas that do not compute get zero gradients."""
+        idle = None if rows is None else sorted(set(range(self.workers)) - set(rows))
+        idle_index = torch.as_tensor(idle, device=self.flat.device) if idle else None
         for p in self.params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            elif rows is not None:
-                p.grad.zero_()
+            elif idle_index is not None:  # replicas that compute nothing: no stale gradient of an earlier step
+                p.grad.index_fill_(0, idle_index, 0.0)
         losses = torch.empty(self.workers if rows is None else len(rows), device=self.flat.device)
         for part, batch in self._chunks(rows):
             leaves = {name: p.detach()[part].requires_grad_() for name, p in self.params.items()}
