@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 
 from app_utils import compose_config
 from dist_utils import write_text_corpus
+from gasloc_lightning import GASLoCStrategy
 from gasloc_lightning.app import sim as sim_app
 from gasloc_lightning.app.config import config_dir
 from gasloc_lightning.network import ComputeJitter, NetworkModel, Preemption, SimulatedClock, scaled_sizes
@@ -72,6 +73,8 @@ def test_a_static_clock_refuses_preemption_and_an_elastic_one_takes_it():
     with pytest.raises(ValueError, match="preemption.*elastic membership.*gasloc-sim"):
         SimulatedClock(network, rank=0)
     assert SimulatedClock(network, rank=0, membership="elastic").time == 0.0
+    with pytest.raises(ValueError, match="preemption.*elastic membership"):  # at construction, before any launch
+        GASLoCStrategy(inner_steps=2, network=network)
     with pytest.raises(ValueError, match="down_fraction"):
         Preemption(down_fraction=1.0)
     with pytest.raises(ValueError, match="mean_downtime_rounds"):

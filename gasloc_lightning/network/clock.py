@@ -9,6 +9,16 @@ from typing import Any
 from gasloc_lightning.network.model import NetworkModel, Pair, _HasMixingWeights, _pair
 from gasloc_lightning.network.validation import _non_negative, _finite
 
+def check_static_membership(network: NetworkModel) -> None:
+    """Refuse a network with preemption for an engine whose workers all stay for the whole run."""
+    if network.preemption is not None:
+        raise ValueError(
+            f"the network has preemption ({network.preemption!r}): workers that leave and come back need elastic "
+            "membership, which this engine does not have (every worker stays for the whole run). Simulate it "
+            "with gasloc-sim (network=preemption), or run gasloc-elastic with 'elastic.chaos=[term:W@S,"
+            "restart:W@S2]'; or drop it: network.preemption=null")
+
+
 class SimulatedClock:
     """The simulated time of one rank, in seconds, advanced by compute and communication.
 
@@ -29,12 +39,8 @@ class SimulatedClock:
             raise ValueError(f"network must be a NetworkModel, got {type(network).__name__}")
         if membership not in ("static", "elastic"):
             raise ValueError(f"membership must be 'static' or 'elastic', got {membership!r}")
-        if network.preemption is not None and membership == "static":
-            raise ValueError(
-                f"the network has preemption ({network.preemption!r}): workers that leave and come back need elastic "
-                "membership, which this engine does not have (every worker stays for the whole run). Simulate it "
-                "with gasloc-sim (network=preemption), or run gasloc-elastic with 'elastic.chaos=[term:W@S,"
-                "restart:W@S2]'; or drop it: network.preemption=null")
+        if membership == "static":
+            check_static_membership(network)
         self._network = network
         self._rank = network._rank(rank)
         self._time = 0.0

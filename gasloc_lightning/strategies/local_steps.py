@@ -43,6 +43,7 @@ from gasloc_lightning.algorithm.outer import all_finite
 from gasloc_lightning.comm.flat import FlatLayout
 from gasloc_lightning.comm.transport import GossipTransport
 from gasloc_lightning.network import NetworkModel
+from gasloc_lightning.network.clock import check_static_membership
 from gasloc_lightning.plugins import per_rank as ckpt
 from gasloc_lightning.plugins.per_rank_io import resolve_checkpoint_io
 from gasloc_lightning.strategies.consensus import ConsensusSwap
@@ -131,6 +132,8 @@ class LocalStepsStrategy(DDPStrategy):
     ) -> None:
         if network is not None and not isinstance(network, NetworkModel):
             raise ValueError(f"network must be a NetworkModel, got {type(network).__name__}")
+        if network is not None:
+            check_static_membership(network)  # before any worker is launched
         if not isinstance(trust_checkpoint_code, bool):
             raise ValueError(f"trust_checkpoint_code must be True or False, got {trust_checkpoint_code!r}")
         _check_positive_number("gossip_timeout", gossip_timeout)
