@@ -86,8 +86,9 @@ class ElasticTransport:
                 pending.works.append((peer, [_FailedWork(RuntimeError(f"unusable quorum: {quorum.error}"))]))
                 pending.received.append((peers[peer], incoming))
                 continue
-            try:  # every send and receive is posted before any wait: a triangle cannot deadlock
-                works = [pg.send([message], peer, _GOSSIP_TAG), pg.recv([incoming], peer, _GOSSIP_TAG)]
+            try:  # every receive and send is posted before any wait (a triangle cannot deadlock); the receive
+                # first, so both directions flow at once (see transport._RECV_FIRST)
+                works = [pg.recv([incoming], peer, _GOSSIP_TAG), pg.send([message], peer, _GOSSIP_TAG)]
             except Exception as error:  # an unconfigured group raises AssertionError
                 works = [_FailedWork(error)]
             pending.works.append((peer, works))
