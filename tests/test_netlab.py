@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from app_utils import CONF
+import gasloc_lightning.netlab.lab as lab_module
 from gasloc_lightning.netlab import FaultSchedule, LabError, LabPlan, check_can_build, parse_faults, plan_lab
 from gasloc_lightning.network import NetworkModel
 
@@ -137,3 +138,46 @@ def test_many_sites_gets_each_sites_uplink_shared_by_its_flows():
     assert plan.rates_mbit[2][3] == pytest.approx(10.0)  # min(2, 1) Gbit/s x 0.01
     assert plan.uplinks_mbit == pytest.approx((50.0, 50.0, 20.0, 10.0))  # site 0's own 100 is not in the pairs
     assert plan_lab(_preset("two_clusters"), workers=4, bandwidth_scale=0.01).uplinks_mbit is None
+
+
+class _FakeIp:
+    """``ip``/``tc`` as a set of namespaces; interrupts (as a Ctrl-C would) right after one named add, or
+    times out every delete once (as a hung ``ip`` would)."""
+
+    def __init__(self, interrupt_after_adding: str | None = None, slow_deletes: bool = False):
+        self.namespaces: set[str] = set()
+        self.interrupt_after_adding, self.slow_deletes = interrupt_after_adding, slow_deletes
+
+    def run(self, *args: str, check: bool = True) -> str:
+        if args[:3] == ("ip", "netns", "add"):
+            self.namespaces.add(args[3])
+            if args[3].endswith(self.interrupt_after_adding or "\0"):
+                raise KeyboardInterrupt
+        elif args[:3] == ("ip", "netns", "del"):
+            if self.slow_deletes:
+                self.slow_deletes = False
+                raise lab_module.LabError("`ip netns del` did not run: timed out")
+            if args[3] not in self.namespaces and check:
+                raise lab_module.LabError(f"no namespace {args[3]}")
+            self.namespaces.discard(args[3])
+        return ""
+
+    def names(self) -> list[str]:
+        return sorted(self.namespaces)
+
+
+@pytest.mark.parametrize("fake", [_FakeIp(interrupt_after_adding="-s1"), _FakeIp(slow_deletes=True)],
+                         ids=["interrupted-add", "a-delete-times-out"])
+def test_close_removes_every_namespace_of_the_run_even_after_an_interrupted_add_or_a_failed_step(monkeypatch, fake):
+    monkeypatch.setattr(lab_module, "run", fake.run)
+    monkeypatch.setattr(lab_module, "netns_names", fake.names)
+    monkeypatch.setattr(lab_module, "check_can_build", lambda: None)
+    lab = lab_module.Lab(plan_lab(_preset("two_clusters"), workers=4, bandwidth_scale=0.01), prefix="glab-1-abcd")
+    fake.namespaces.add("glab-2-beef-bb")  # another run's: not ours to remove
+    if fake.interrupt_after_adding:
+        with pytest.raises(KeyboardInterrupt):
+            lab.build()
+    else:
+        lab.build()
+        lab.close()  # the first delete fails (logged); the sweep of the run's prefix still takes every namespace
+    assert fake.names() == ["glab-2-beef-bb"]

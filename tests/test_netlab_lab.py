@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,10 +36,22 @@ from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
 from gasloc_lightning.comm.wire import SECRET_ENV  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
 from gasloc_lightning.netlab import (FaultSchedule, Lab, LabError, LabPlan, check_can_build,  # noqa: E402
-                                    lab_namespaces, parse_faults)
+                                    lab_namespaces, parse_faults, remove_namespaces)
 from gasloc_lightning.netlab.clock_check import measure  # noqa: E402
 from gasloc_lightning.netlab.shell import run  # noqa: E402
 from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV, terminate  # noqa: E402
+
+
+@contextlib.contextmanager
+def _lab_process(command: list[str], **popen: object) -> Iterator[subprocess.Popen]:
+    """A ``gasloc-netlab`` process that is stopped (with time to remove its lab) and whose namespaces are swept
+    when the block ends, also when the test fails or times out."""
+    process = subprocess.Popen(command, env=clean_env(), **popen)
+    try:
+        yield process
+    finally:
+        terminate([process], 60.0)
+        remove_namespaces([name for name in lab_namespaces() if name.startswith(f"glab-{process.pid}-")])
 
 
 def _why_no_lab() -> str | None:
@@ -151,11 +165,12 @@ def test_two_site_elastic_run_with_a_partition_every_worker_ends_on_one_model(tm
     command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *FAST, "network=two_clusters",
                "netlab.faults=[partition:1@15:6]", f"output_dir={output}",
                f"cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=380, env=clean_env())
-    tail = result.stdout[-4000:] + result.stderr[-3000:]
-    assert result.returncode == 0, tail
-    assert "netlab: fault partition:1@15:6 at step" in result.stdout, tail
-    assert "lifted: site 1's link restored" in result.stdout, tail
+    with _lab_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        stdout, stderr = process.communicate(timeout=380)
+    tail = stdout[-4000:] + stderr[-3000:]
+    assert process.returncode == 0, tail
+    assert "netlab: fault partition:1@15:6 at step" in stdout, tail
+    assert "lifted: site 1's link restored" in stdout, tail
     summary = json.loads((output / "netlab_summary.json").read_text())
     assert _ours(summary["prefix"]) == [], "lab namespaces left"
     rows = json.loads((output / "elastic_summary.json").read_text())
@@ -163,7 +178,7 @@ def test_two_site_elastic_run_with_a_partition_every_worker_ends_on_one_model(tm
     assert [w["status"] for w in rows["workers"]] == ["finished"] * 4, tail
     assert [w["final_step"] for w in rows["workers"]] == [MAX_STEPS] * 4, tail
     assert len({w["model_checksum"] for w in rows["workers"]}) == 1, rows["workers"]
-    assert "elastic.min_workers 2 -> 3" in result.stdout, tail  # a majority: only one side may train
+    assert "elastic.min_workers 2 -> 3" in stdout, tail  # a majority: only one side may train
     progress = [read_progress(output / f"worker_{w}") for w in range(4)]
     assert sum(p["failed_exchanges"] + p["failed_collectives"] for p in progress) >= 1, progress  # it cut a round
 
@@ -229,16 +244,13 @@ def test_sigterm_mid_run_leaves_no_namespace_and_no_process(tmp_path, cache_dir)
     command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *FAST, "trainer.max_steps=100000",
                "trainer.val_check_interval=100000", "network=two_clusters", "elastic.leave_grace_s=5",
                f"output_dir={output}", f"cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=clean_env(), start_new_session=True)
-    try:
+    with _lab_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                      start_new_session=True) as process:
         assert _wait(lambda: all((output / f"worker_{w}" / "progress.json").exists() for w in range(4)), 150)
         time.sleep(2.0)
         prefix = next(name for name in lab_namespaces() if name.startswith(f"glab-{process.pid}-")).rsplit("-", 1)[0]
         process.send_signal(signal.SIGTERM)
         out, _ = process.communicate(timeout=150)
-    finally:
-        terminate([process], 5.0)
     assert process.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert _ours(prefix) == [], out[-3000:]
     rows = json.loads((output / "elastic_summary.json").read_text())

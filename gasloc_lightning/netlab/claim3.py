@@ -12,9 +12,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from gasloc_lightning.strategies.launcher import terminate
+
+RUN_TIMEOUT_S = 1800  # each run's own limit (netlab.timeout_s): it stops its ranks and removes its lab
+CHILD_GRACE_S = 120.0  # after SIGTERM: the ranks' grace, then the lab's removal
 
 BASE = ["experiment=demo", "network=two_clusters", "netlab.mode=train", "trainer.devices=8",
         "trainer.enable_progress_bar=false", "trainer.val_check_interval=10", "data.val_batches=4"]
@@ -64,10 +71,26 @@ def run_method(name: str, seed: int, steps: int, scale: float, out: Path,
                f"trainer.max_steps={steps}", f"netlab.bandwidth_scale={scale}", f"output_dir={folder}",
                f"hydra.run.dir={folder}"]
     with open(folder / "netlab.log", "w") as log_file:
-        code = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=1800).returncode
+        code = _run_to_the_end(command, log_file)
     if code != 0:
         raise RuntimeError(f"{name} seed {seed} failed ({code}); see {folder}/netlab.log")
     return curve(folder / "csv" / "metrics.csv")
+
+
+def _run_to_the_end(command: list[str], log_file: Any) -> int:
+    """Run one ``gasloc-netlab`` (it stops itself after ``RUN_TIMEOUT_S``); on Ctrl-C or SIGTERM here, give it
+    ``CHILD_GRACE_S`` to stop its ranks and remove its lab before it is killed."""
+    process = subprocess.Popen([*command, f"netlab.timeout_s={RUN_TIMEOUT_S}"], stdout=log_file,
+                               stderr=subprocess.STDOUT)
+    try:
+        return process.wait()
+    except BaseException:
+        terminate([process], grace_s=CHILD_GRACE_S)
+        raise
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through _run_to_the_end, which stops the lab first
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reuse", action="store_true", help="read runs already under --out instead of rerunning")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     results = []
     for seed in args.seeds:
         reference = run_method("diloco", seed, args.steps, args.scale, args.out, args.reuse)

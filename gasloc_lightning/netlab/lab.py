@@ -95,8 +95,8 @@ class Lab:
         log.info("netlab built prefix=%s sites=%s", self.prefix, list(self.plan.addresses))
 
     def _add_namespace(self, name: str) -> None:
+        self.namespaces.append(name)  # first: an interrupt during the add must still leave it to close()
         run("ip", "netns", "add", name)
-        self.namespaces.append(name)
         run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _add_site(self, site: int) -> None:
@@ -194,28 +194,64 @@ class Lab:
     def close(self) -> None:
         """Kill what runs in the lab's namespaces (by pid), then delete them; safe to call twice.
 
-        Ctrl-C, SIGTERM and SIGHUP are held while it runs (a second Ctrl-C must not leave half a lab), and
-        delivered once it is done."""
-        held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
-        try:
-            for ns in reversed(self.namespaces):
+        Every step is tried even when one fails (failures are logged), and every namespace carrying this
+        run's prefix is swept too, so an add interrupted halfway is not left behind. Ctrl-C, SIGTERM and
+        SIGHUP are held while it runs (a second Ctrl-C must not leave half a lab) and delivered once it is
+        done: blocked for the ``ip`` children, and recorded by a Python handler on the main thread (the
+        kernel may hand a process-directed signal to any thread that does not block it)."""
+        with _signals_held():
+            ours = [ns for ns in _listed_namespaces() if ns.startswith(f"{self.prefix}-")]
+            doomed = list(reversed(self.namespaces)) + [ns for ns in ours if ns not in self.namespaces]
+            for ns in doomed:
                 _kill_inside(ns)
-            for ns in reversed(self.namespaces):
+            failed = []
+            for ns in doomed:
+                try:
+                    run("ip", "netns", "del", ns, check=ns in ours)
+                except LabError:
+                    failed.append(ns)
+            for ns in failed:  # once more (a hung `ip` times out), then say what is left
                 try:
                     run("ip", "netns", "del", ns)
                 except LabError as error:
-                    log.error("netlab: could not delete namespace %s: %s", ns, error)
+                    log.error("netlab: could not delete namespace %s (remove it with `ip netns del %s`): %s",
+                              ns, ns, error)
             self.namespaces = []
-        finally:
-            if previous is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
     def _site(self, site: int) -> int:
         if isinstance(site, bool) or not isinstance(site, int) or not 0 <= site < self.plan.sites:
             raise ValueError(f"site must be an int in [0, {self.plan.sites}), got {site!r}")
         return site
+
+
+class _signals_held:
+    """Hold SIGINT, SIGTERM and SIGHUP for a block; deliver the first one received when it ends."""
+
+    _HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self) -> None:
+        self._main = threading.current_thread() is threading.main_thread()
+        self._received: list[int] = []
+        if self._main:
+            self._handlers = {sig: signal.signal(sig, lambda number, frame: self._received.append(number))
+                              for sig in self._HELD}
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self._HELD)  # the ip children inherit it
+
+    def __exit__(self, *exc: object) -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)  # a blocked pending signal runs the recorder
+        if self._main:
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, handler)
+            if self._received:
+                signal.raise_signal(self._received[0])  # now, with the caller's handler in place
+
+
+def _listed_namespaces() -> list[str]:
+    try:
+        return netns_names()
+    except LabError as error:
+        log.error("netlab: could not list namespaces: %s", error)
+        return []
 
 
 def _class(site: int) -> str:
@@ -238,7 +274,7 @@ def _rate_args(mbit: float) -> list[str]:
 def _kill_inside(ns: str) -> None:
     try:
         pids = [int(pid) for pid in run("ip", "netns", "pids", ns, check=False).split()]
-    except ValueError:
+    except (ValueError, LabError):
         pids = []
     for pid in pids:
         log.warning("netlab: process %d still runs in %s: killed", pid, ns)

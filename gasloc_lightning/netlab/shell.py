@@ -34,7 +34,10 @@ def check_can_build() -> None:
 def run(*args: str, check: bool = True) -> str:
     """Run one iproute2 command (``run("ip", "netns", "add", name)``); its stdout, or LabError with its stderr."""
     log.debug("netlab: %s", " ".join(args))
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    try:
+        result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    except (subprocess.TimeoutExpired, OSError) as error:
+        raise LabError(f"`{' '.join(args)}` did not run: {error}") from None
     if check and result.returncode != 0:
         raise LabError(f"`{' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
     return result.stdout
