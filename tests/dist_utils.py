@@ -283,3 +283,14 @@ class RankDependentWidth(TinyRegressor):
             self.net[0] = nn.Linear(8, 16 + 1, bias=False)
             self.net[1] = nn.BatchNorm1d(17)
             self.net[3] = nn.Linear(17, 1)
+
+
+class SaveAt(Callback):
+    """``trainer.save_checkpoint(path)`` after optimizer step ``step`` (on every rank, as Lightning requires)."""
+
+    def __init__(self, step: int, path: str):
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)

@@ -10,11 +10,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch.utils.data import DataLoader
 
-from dist_utils import RecordParameters, SaveFinalState, TinyRegressor, flat_parameters, write_text_corpus
+from dist_utils import RecordParameters, SaveAt, SaveFinalState, TinyRegressor, flat_parameters, write_text_corpus
 from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy
 from gasloc_lightning.app.export import main as export_main
 from gasloc_lightning.data import ByteDataModule
@@ -227,17 +227,6 @@ def test_resume_with_another_world_size_fails_clearly(tmp_path, fresh_port):
 
 
 # ------------------------------------------------------------------ resume through every path and configuration
-class SaveAt(Callback):
-    """``trainer.save_checkpoint(path)`` after optimizer step ``step`` (on every rank, as Lightning requires)."""
-
-    def __init__(self, step: int, path: str):
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-
-
 def assert_same(expected, actual, where="state"):
     """Bitwise equality of nested tensors, dicts, lists and scalars."""
     if isinstance(expected, torch.Tensor):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from dist_utils import TinyRegressor
+from dist_utils import SaveAt, TinyRegressor
 from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.plugins.per_rank import export_consensus
@@ -157,17 +157,6 @@ def test_sharded_workers_follow_ddp_workers_and_hold_a_kth(tmp_path, fresh_port,
     else:  # an all-reduce of the worker's mean pseudo-gradient over the 2 workers
         worker_bytes = 3 * ring_all_reduce_bytes(whole["message_numel"] * 4, 2)
     assert [s["bytes_sent"] * K for s in shards] == [worker_bytes] * K
-
-
-class SaveAt(Callback):
-    """``trainer.save_checkpoint(path)`` after optimizer step ``step`` (every rank)."""
-
-    def __init__(self, step: int, path: str):
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer, pl_module, *args):
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
 
 
 def _assert_equal(expected, actual, where):
