@@ -244,6 +244,24 @@ def test_term_makes_a_worker_leave_cleanly(tmp_path, cache_dir, monkeypatch):
     _assert_nothing_left(summary["pids"], tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_sigterm_while_no_quorum_can_form_still_leaves_with_a_checkpoint(tmp_path, cache_dir):
+    """Two workers, min_workers=2: worker 1 is killed inside round 5, so worker 0's next quorum can never form, and
+    SIGTERM reaches worker 0 around that wait (as when a whole run is stopped and the others leave first). Its last
+    round is committed: it leaves with its checkpoint and exits 0, instead of failing when quorum_timeout ends."""
+    summary = _run(["elastic.workers=2", "elastic.quorum_timeout=8", "elastic.leave_grace_s=60",
+                    "elastic.chaos=[kill:1@22,term:0@25]"], tmp_path, cache_dir)
+    rows = _rows(summary)
+    assert rows[1]["status"] == "killed", rows
+    leaver = rows[0]
+    assert leaver["status"] == "left" and leaver["exit_code"] == 0, leaver
+    assert Path(leaver["checkpoint"]).exists(), leaver
+    assert leaver["exit_steps"][0] % H == 0, f"worker 0 did not leave at a round's end: {leaver['exit_steps']}"
+    _assert_nothing_left(summary["pids"], tmp_path)
+
+
 # ------------------------------------------------------------------ Ctrl-C / SIGTERM and resume
 def _wait_for_steps(run_dir: Path, workers: int, step: int, launcher: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout

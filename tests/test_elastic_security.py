@@ -92,13 +92,15 @@ def _serve_rounds(member: Member, stop: threading.Event, step: int) -> None:
     """A running member: joins, then takes part in every quorum and always claims round ``step``."""
     try:
         member.membership.join()
-    except MembershipError:
+    except (MembershipError, RuntimeError):  # RuntimeError: the test shut this member down ("killed" it) meanwhile
         pass
     while not stop.is_set():
         try:
             member.membership.start_quorum()
         except MembershipError:
             continue
+        except RuntimeError:  # shut down
+            return
         member.membership.commit(step)
         time.sleep(0.05)
 
@@ -185,6 +187,7 @@ def test_a_heal_source_that_dies_during_the_transfer_leaves_nothing_partial(ligh
         killer.cancel()
         joiner.membership.shutdown()
         source.membership.shutdown()
+        serving.join(timeout=10)
     assert joiner.loaded == []
     if quorum is not None:  # it went on alone once the source was gone, from its own state
         assert not quorum.healed and quorum.members == tuple(m for m in quorum.members if m.startswith("worker_0000"))

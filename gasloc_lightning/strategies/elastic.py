@@ -30,8 +30,9 @@ all-reduces over the live quorum (a failed one evaluates the local replica inste
 A worker that gets SIGTERM (a spot preemption notice, or ``gasloc-elastic`` stopping) *leaves*: it finishes
 its current round (exchange included) and commits it, stops heartbeating (the next quorum forms without it, so
 no peer records a failed exchange), skips the end-of-fit average and ends its fit with its own replica, which the
-app checkpoints. If the round does not end within ``leave_grace_s``, or the signal falls while the worker waits
-for a quorum, it abandons the round at once (:class:`ElasticLeave`).
+app checkpoints. A signal that falls while the worker waits for a quorum lets that quorum form and the worker
+trains its round; if none forms (the others left too), it leaves with its last committed round. Past
+``leave_grace_s`` it abandons the round at once (:class:`ElasticLeave`).
 
 A peer's state is taken only from members that know the run's secret, is loaded without unpickling
 (:mod:`gasloc_lightning.comm.wire`), and is checked against this worker's own (names, shapes, dtypes, finite
@@ -458,7 +459,20 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             return
         self._quorum_due = False
         self._boundary = boundary
-        if self.membership.start_quorum().healed:  # a worker that stalled and came back
+        try:
+            quorum = self.membership.start_quorum()
+        except MembershipError as error:
+            if self._leave_requested_at is None:
+                raise
+            # SIGTERM came while this worker waited, and the others left meanwhile (a whole run stopped at once):
+            # its last round is committed, so it leaves as if the signal had come before it asked.
+            log.warning("no quorum after SIGTERM worker=%s: leaving after round %d (%s)", self.membership.name,
+                        self.round_index, error)
+            self._leave()
+            if boundary == _TRAIN:
+                raise StopIteration from None
+            return
+        if quorum.healed:  # a worker that stalled and came back
             self._follow_peer(boundary)
 
     def _follow_peer(self, mine: str) -> None:
