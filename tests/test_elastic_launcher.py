@@ -280,7 +280,8 @@ def _wait_for_steps(run_dir: Path, workers: int, step: int, launcher: subprocess
 def test_sigterm_to_the_launcher_leaves_a_checkpoint_per_worker_and_resume_restores_them(tmp_path, cache_dir):
     """SIGTERM to gasloc-elastic past step 30: every worker leaves with its own checkpoint, the launcher exits non-zero
     and says how to resume, and nothing it started survives it. elastic.resume=true on the same output_dir then
-    starts every worker at the step it left at, and all finish at max_steps on one model."""
+    starts every worker at the furthest step they left at (one that left a round earlier is healed), and all finish
+    at max_steps on one model."""
     run_dir, log_path = tmp_path / "run", tmp_path / "launcher.log"
     command = [sys.executable, "-m", "gasloc_lightning.app.elastic", *_overrides([], run_dir, cache_dir),
                f"hydra.run.dir={tmp_path / 'hydra'}"]
@@ -313,11 +314,15 @@ def test_sigterm_to_the_launcher_leaves_a_checkpoint_per_worker_and_resume_resto
 
     resumed = _run(["elastic.resume=true"], run_dir, cache_dir)
     rows = _rows(resumed)
+    # A worker whose leave fell one round earlier than the others' (its signal came right after its commit; the
+    # others had already asked for the next quorum and trained it as a smaller quorum) is healed to the furthest.
+    furthest = max(left_at.values())
+    assert furthest - min(left_at.values()) <= H, left_at
     for worker in range(3):
         assert rows[worker]["resumed_from"] == str(run_dir / f"worker_{worker}" / LEAVE_CHECKPOINT), rows[worker]
-        assert rows[worker]["joined"][0] == left_at[worker], f"worker {worker} did not resume where it left: {rows}"
+        assert rows[worker]["joined"][0] == furthest, f"worker {worker} did not resume at {furthest}: {rows}"
         assert rows[worker]["status"] == "finished" and rows[worker]["final_step"] == MAX_STEPS, rows[worker]
-        assert rows[worker]["applied_steps"] == MAX_STEPS - left_at[worker], rows[worker]
+        assert rows[worker]["applied_steps"] == MAX_STEPS - furthest, rows[worker]
     assert len({rows[worker]["model_checksum"] for worker in range(3)}) == 1, rows
     _assert_nothing_left(resumed["pids"], run_dir)
 

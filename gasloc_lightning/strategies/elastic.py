@@ -31,8 +31,9 @@ A worker that gets SIGTERM (a spot preemption notice, or ``gasloc-elastic`` stop
 its current round (exchange included) and commits it, stops heartbeating (the next quorum forms without it, so
 no peer records a failed exchange), skips the end-of-fit average and ends its fit with its own replica, which the
 app checkpoints. A signal that falls while the worker waits for a quorum lets that quorum form and the worker
-trains its round; if none forms (the others left too), it leaves with its last committed round. Past
-``leave_grace_s`` it abandons the round at once (:class:`ElasticLeave`).
+trains its round; if none forms within ``quorum_timeout`` or ``leave_grace_s`` (the others left too), it leaves
+with its last committed round and its checkpoint. A round still running ``leave_grace_s`` after the signal is
+abandoned at once (:class:`ElasticLeave`, no checkpoint).
 
 A peer's state is taken only from members that know the run's secret, is loaded without unpickling
 (:mod:`gasloc_lightning.comm.wire`), and is checked against this worker's own (names, shapes, dtypes, finite
@@ -182,6 +183,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._membership: ElasticMembership | None = None
         self._healed_rounds: list[int] = []
         self._leave_requested_at: float | None = None  # when SIGTERM arrived
+        self._taking_peer_state = False  # a peer's state is being checked and applied
         self._left = False  # this worker left the run (its replica is its own from then on)
         self._previous_sigterm: Any = None
         self._grace_timer: threading.Timer | None = None  # sends SIGTERM again when leave_grace_s is over
@@ -288,7 +290,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         super().on_train_start()
         self._check_trainer(self.lightning_module.trainer)
         self._reset_boundary_state()
-        self._left, self._leave_requested_at = False, None
+        self._left, self._leave_requested_at, self._taking_peer_state = False, None, False
         self._membership = ElasticMembership(
             **self._membership_args, state_dict=self._peer_state, load_state_dict=self._take_peer_state,
             start_step=self.round_index,  # a resumed worker keeps its replica unless a peer is further
@@ -377,6 +379,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         return self._boundary == _AVERAGE or 0 < trainer.max_steps <= trainer.global_step
 
     def _take_peer_state(self, state: dict[str, Any]) -> None:
+        self._taking_peer_state = True  # until it is all applied (a leave must not checkpoint half of it)
+        self._take_checked_peer_state(state)
+        self._taking_peer_state = False
+
+    def _take_checked_peer_state(self, state: dict[str, Any]) -> None:
         self._check_peer_state(state)
         self.layout.scatter(state["live"].to(self.layout.device))
         self.load_strategy_state_dict(state["strategy"])
@@ -459,13 +466,15 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             return
         self._quorum_due = False
         self._boundary = boundary
+        heals = len(self._healed_rounds)
         try:
             quorum = self.membership.start_quorum()
-        except MembershipError as error:
-            if self._leave_requested_at is None:
-                raise
-            # SIGTERM came while this worker waited, and the others left meanwhile (a whole run stopped at once):
-            # its last round is committed, so it leaves as if the signal had come before it asked.
+        except (MembershipError, ElasticLeave) as error:
+            if self._leave_requested_at is None or len(self._healed_rounds) != heals or self._taking_peer_state:
+                raise  # not leaving, or a peer's state was (being) applied: this state is no round's end
+            # SIGTERM came while this worker waited, and no quorum formed (the others left too, as when a whole run
+            # is stopped at once): its last round is committed, so it leaves as if the signal had come before it
+            # asked, with its checkpoint.
             log.warning("no quorum after SIGTERM worker=%s: leaving after round %d (%s)", self.membership.name,
                         self.round_index, error)
             self._leave()
