@@ -21,6 +21,7 @@ Usage::
     python benchmarks/multicloud.py --workers 8 --out docs/multicloud
     python benchmarks/multicloud.py --workers 64 --scenarios two_clusters jitter --out docs/multicloud
     python benchmarks/multicloud.py --plot --out docs/multicloud     # the figure from the JSON files there
+    python benchmarks/multicloud.py --markdown --out docs/multicloud # their tables, as in docs/multicloud.md
 
 Results: ``<out>/multicloud_n<workers>.json`` (one per n, merged by scenario) and ``<out>/multicloud.png``.
 """
@@ -180,10 +181,42 @@ def _print_table(name: str, results: dict[str, dict]) -> None:
         print(f"  {method:20s} {mean:>14s}  {seeds:>18s} {result['goodput_mean']:8.3f} {result['val_loss_mean']:9.4f}")
 
 
+def _records(out: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in out.glob("multicloud_n*.json")), key=lambda r: r["workers"])
+
+
+def _cell(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f}"
+
+
+def markdown(out: Path) -> str:
+    """One table per scenario and n from the JSON files in ``out``: each method's time to plain DiLoCo's loss
+    as a ratio (mean over the held-out seeds, then each seed), goodput, final loss and its tuned setting."""
+    lines = []
+    for record in _records(out):
+        for name, scenario in record["scenarios"].items():
+            seeds = ", ".join(map(str, scenario["held_out_seeds"]))
+            lines += [f"### {name}, n = {record['workers']}", "",
+                      f"{scenario['steps']} steps, H = {scenario['inner_steps']}, target: plain DiLoCo's loss at step "
+                      f"{scenario['target_step']}; tuned on seed {scenario['tuning_seed']}, held-out seeds {seeds}.",
+                      "", "| method | time / DiLoCo (mean) | per seed | goodput | final val loss | tuned |",
+                      "|---|---|---|---|---|---|"]
+            for method, result in scenario["results"].items():
+                per_seed = ", ".join(_cell(r) for r in result["ratios"])
+                tuned = scenario["tuning"][method].get("label", "")
+                lines.append(f"| {method} | {_cell(result['ratio_mean'])} | {per_seed} | {result['goodput_mean']:.3f} "
+                             f"| {result['val_loss_mean']:.4f} | {tuned} |")
+            for method, chosen in scenario["tuning"].items():
+                if "error" in chosen:
+                    lines.append(f"| {method} | cannot run here | | | | {chosen['error']} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
 def plot(out: Path) -> None:
     from matplotlib.figure import Figure
 
-    records = sorted((json.loads(p.read_text()) for p in out.glob("multicloud_n*.json")), key=lambda r: r["workers"])
+    records = _records(out)
     scenarios = sorted({name for record in records for name in record["scenarios"]})
     figure = Figure(figsize=(4 * max(len(scenarios), 1), 4))
     for axes, scenario in zip(figure.subplots(1, len(scenarios), squeeze=False)[0], scenarios):
@@ -200,7 +233,7 @@ def plot(out: Path) -> None:
     figure.savefig(out / "multicloud.png", dpi=110)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
@@ -210,11 +243,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="held-out seeds, reported")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/multicloud"))
     parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
-    args = parser.parse_args()
+    parser.add_argument("--markdown", action="store_true", help="only print the tables of the JSON files in --out")
+    args = parser.parse_args(argv)
     if args.tuning_seed in args.seeds:
         parser.error("--tuning-seed must not be one of the held-out --seeds")
     if args.steps < 2 * args.inner_steps or args.workers < 2:
         parser.error("--steps must cover at least two rounds (2 x --inner-steps) and --workers must be >= 2")
+    if args.markdown:
+        print(markdown(args.out))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed, tuple(args.seeds),
