@@ -12,7 +12,6 @@ outer state and optimizer state, as the elastic worker does.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -5,25 +5,37 @@ The lab itself (namespaces, links, runs) is tested in ``tests/test_netlab_lab.py
 
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import DictConfig
 
 from app_utils import CONF
+import gasloc_lightning.app.netlab as netlab_app
 import gasloc_lightning.netlab.lab as lab_module
-from gasloc_lightning.netlab import FaultSchedule, LabError, LabPlan, check_can_build, parse_faults, plan_lab
+from gasloc_lightning.netlab import (Fault, FaultSchedule, LabError, LabPlan, check_can_build, parse_faults,
+                                     plan_lab, why_no_lab)
+from gasloc_lightning.netlab.shell import netns_names
 from gasloc_lightning.network import NetworkModel
 
 
-def _preset(name: str, devices: int = 8) -> NetworkModel:
-    import gasloc_lightning.app.netlab  # noqa: F401  (registers the netlab_app schema)
-
+def _compose(config_name: str, overrides: list[str]) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="netlab/app", overrides=[f"network={name}", f"trainer.devices={devices}",
-                                                           "output_dir=unused"])
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def _preset(name: str, devices: int = 8) -> NetworkModel:
+    cfg = _compose("netlab/app", [f"network={name}", f"trainer.devices={devices}", "output_dir=unused"])
     return instantiate(cfg.network)
 
 
@@ -181,3 +193,241 @@ def test_close_removes_every_namespace_of_the_run_even_after_an_interrupted_add_
         lab.build()
         lab.close()  # the first delete fails (logged); the sweep of the run's prefix still takes every namespace
     assert fake.names() == ["glab-2-beef-bb"]
+
+
+# ------------------------------------------------------------------ overlapping faults
+@pytest.mark.parametrize("entries", [["partition:1@40:15", "flap:1@40:5"], ["flap:1@40:5", "partition:1@40:15"],
+                                     ["slow:1@40:5:1", "slow:1@40:9:2"]])
+def test_faults_whose_windows_overlap_on_one_site_are_refused_naming_both(entries):
+    with pytest.raises(ValueError, match=rf"{entries[0]}.*{entries[1]}|{entries[1]}.*{entries[0]}"):
+        parse_faults(entries, sites=2)
+
+
+@pytest.mark.parametrize("entries", [["partition:1@40:15", "slow:1@40:5:1"], ["partition:1@40:15", "flap:1@60:5"],
+                                     ["partition:1@40:5", "partition:0@40:5"]])
+def test_faults_that_do_not_certainly_overlap_are_accepted(entries):
+    assert len(parse_faults(entries, sites=2)) == 2
+
+
+def test_faults_that_overlap_at_run_time_compose_instead_of_undoing_each_other():
+    links, clock = _Links(), _Clock()
+    schedule = FaultSchedule(parse_faults(["partition:1@40:15", "flap:1@41:3", "slow:0@40:10:5", "slow:0@41:3:2"], 2),
+                             links, flap_period_s=1.0, report=lambda line: None, clock=clock)
+    for now, step in ((0.0, 40), (0.0, 41), (1.0, 42), (2.0, 43), (3.0, 44), (4.0, 45), (10.0, 50), (15.0, 60)):
+        clock.now = now
+        schedule.poll(step)
+    # the flap's up phases and its end do not open the partitioned link; the lower cap holds while both are in force
+    assert [c for c in links.calls if c[0] == "link"] == [("link", 1, False), ("link", 1, True)]
+    assert [c for c in links.calls if c[0] == "throttle"] == [("throttle", 0, 5.0), ("throttle", 0, 2.0),
+                                                              ("throttle", 0, 5.0), ("throttle", 0, None)]
+    assert schedule.done
+
+
+# ------------------------------------------------------------------ slow: the queue follows the rate
+def test_slow_resizes_each_class_queue_for_the_capped_rate_and_back(monkeypatch):
+    commands: list[tuple[str, ...]] = []
+    monkeypatch.setattr(lab_module, "run", lambda *args, check=True: commands.append(args) or "")
+    monkeypatch.setattr(lab_module, "check_can_build", lambda: None)
+    lab = lab_module.Lab(LabPlan(addresses=("10.213.0.1", "10.213.0.2"), worker_sites=(0, 1),
+                                 rates_mbit=((0.0, 100.0), (100.0, 0.0))), prefix="glab-1-abcd")
+
+    def queues() -> list[str]:
+        limits = [c[c.index("limit") + 1] for c in commands if "bfifo" in c]
+        commands.clear()
+        return limits
+
+    lab.build()
+    built = queues()
+    assert built == ["625000", "625000"]  # 50 ms of 100 Mbit/s, each direction
+    lab.throttle(1, 20.0)
+    assert queues() == ["125000", "125000"]  # 50 ms of 20 Mbit/s: not 1.25 s as the built queue would hold
+    lab.throttle(1, 1.0)
+    assert queues() == ["65536", "65536"]  # the 64 KiB floor
+    lab.throttle(1, None)
+    assert queues() == built and lab.rates_mbit() == [[0.0, 100.0], [100.0, 0.0]]
+    with pytest.raises(ValueError, match="mbit"):
+        lab.throttle(1, 0.0)
+
+
+# ------------------------------------------------------------------ settings refused before anything is built
+class _NoNamespacesLab(lab_module.Lab):
+    """The lab without namespaces: nothing is built or removed, and each command runs as is, here."""
+
+    def build(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _MustNotBuild(lab_module.Lab):
+    def build(self) -> None:
+        raise AssertionError("a bad setting reached the lab")
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["elastic.lighthouse=10.0.0.1:29510"], "elastic.lighthouse="),
+    (["netlab.lighthouse_port=0"], "netlab.lighthouse_port"),
+    (["elastic.lighthouse_port=70000"], "elastic.lighthouse_port"),
+    (["netlab.mode=clock", "netlab.clock_repeats=0"], "netlab.clock_repeats"),
+    (["netlab.mode=clock", "netlab.clock_bytes=0"], "netlab.clock_bytes"),
+    (["netlab.timeout_s=0"], "netlab.timeout_s"),
+    (["netlab.flap_period_s=0"], "netlab.flap_period_s"),
+    (["netlab.mode=train", "netlab.train_port=0"], "netlab.train_port"),
+    (["netlab.faults=[partition:1@40:15,flap:1@40:5]"], "partition:1@40:15' and 'flap:1@40:5"),
+    (["elastic.min_workers=9"], "elastic.min_workers"),  # gasloc-elastic's own checks, before the lab too
+])
+def test_bad_settings_are_refused_naming_the_key_before_the_lab_is_built(monkeypatch, tmp_path, overrides, key):
+    monkeypatch.setattr(netlab_app, "Lab", _MustNotBuild)
+    monkeypatch.setattr(netlab_app, "check_can_build", lambda: None)
+    cfg = _compose("netlab/app", ["network=two_clusters", "elastic.workers=4", "trainer.devices=4",
+                                  f"output_dir={tmp_path}", *overrides])
+    with pytest.raises(ValueError, match=key):
+        netlab_app.run_netlab(cfg)
+
+
+# ------------------------------------------------------------------ clock mode obeys netlab.timeout_s
+_SLEEPER = ("import os, sys, time\n"
+            "args = sys.argv[1:]\n"
+            "open(os.path.join(os.environ['NETLAB_TEST_PIDS'], str(os.getpid())), 'w').close()\n"
+            "if '--port-file' in args:\n"
+            "    open(args[args.index('--port-file') + 1], 'w').write('1')\n"
+            "time.sleep(120)\n")
+
+
+class _SleepingLab(_NoNamespacesLab):
+    def wrap(self, command: list[str], site: int) -> list[str]:
+        return [sys.executable, "-c", _SLEEPER, *command]  # a probe that never ends
+
+
+def test_clock_mode_stops_its_probes_by_pid_at_netlab_timeout_s_and_says_so(monkeypatch, tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    monkeypatch.setenv("NETLAB_TEST_PIDS", str(pids))
+    monkeypatch.setattr(netlab_app, "Lab", _SleepingLab)
+    monkeypatch.setattr(netlab_app, "check_can_build", lambda: None)
+    cfg = _compose("netlab/app", ["network=two_clusters", "trainer.devices=8", "netlab.mode=clock",
+                                  "netlab.timeout_s=3", "netlab.clock_bytes=1000", f"output_dir={tmp_path / 'run'}"])
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="netlab.timeout_s=3"):
+        netlab_app.run_netlab(cfg)
+    assert time.monotonic() - started < 20
+    started_pids = [int(path.name) for path in pids.iterdir()]
+    assert len(started_pids) == 8  # every rank of two_clusters started, then stopped
+    assert [pid for pid in started_pids if Path(f"/proc/{pid}").exists()] == []
+
+
+# ------------------------------------------------------------------ exit status: 128 + the signal
+def _main_signalled(argv: list[str], signum: int) -> None:
+    """In a forked child: gasloc-netlab's entry point, with a lab whose build is interrupted by ``signum``."""
+    class _SignalledLab(_NoNamespacesLab):
+        def build(self) -> None:
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the handler raises before this ends
+
+    netlab_app.Lab = _SignalledLab
+    netlab_app.check_can_build = lambda: None
+    sys.argv = argv
+    netlab_app.main()
+
+
+@pytest.mark.parametrize("mode, signum, status", [("train", signal.SIGTERM, 143), ("clock", signal.SIGTERM, 143),
+                                                  ("train", signal.SIGINT, 130), ("clock", signal.SIGHUP, 129)])
+def test_an_interrupted_run_exits_128_plus_the_signal_in_every_mode(tmp_path, mode, signum, status):
+    argv = ["gasloc-netlab", "network=two_clusters", f"netlab.mode={mode}", "trainer.devices=4",
+            f"output_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'hydra'}", "hydra.output_subdir=null"]
+    child = multiprocessing.get_context("fork").Process(target=_main_signalled, args=(argv, signum))
+    child.start()
+    child.join(60)
+    assert child.exitcode == status
+
+
+# ------------------------------------------------------------------ elastic mode: links back before the leave
+class _FakeRun:
+    """An elastic launcher that records what it is asked to do; its watch fires the faults, then is interrupted
+    (or ends with a fault still in force)."""
+
+    def __init__(self, events: list, run_dir: Path, schedule: FaultSchedule, interrupt: bool) -> None:
+        self.events, self.run_dir, self.schedule, self.interrupt = events, run_dir, schedule, interrupt
+        self.interrupted = False
+
+    def start(self) -> None:
+        self.events.append("start")
+
+    def watch(self) -> None:
+        self.schedule.poll(50)
+        if self.interrupt:
+            raise KeyboardInterrupt
+
+    def leave(self) -> None:
+        self.events.append("leave")
+
+    def stop(self) -> None:
+        self.events.append("stop")
+
+    def clean_up(self) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {"workers": [], "interrupted": self.interrupted}
+
+
+class _RecordingLinks(_Links):
+    def __init__(self, events: list) -> None:
+        self.calls = events
+
+
+@pytest.mark.parametrize("interrupt", [True, False], ids=["interrupted", "ended"])
+def test_links_are_restored_before_the_workers_leave_or_are_stopped(tmp_path, interrupt):
+    events: list = []
+    schedule = FaultSchedule(parse_faults(["partition:1@40:600", "slow:0@40:600:1", "flap:1@500:5"], 2),
+                             _RecordingLinks(events), report=lambda line: None)
+    signum, summary = netlab_app.run_in_lab(_FakeRun(events, tmp_path, schedule, interrupt), schedule)
+    restored = [("throttle", 0, None), ("link", 1, True)]
+    fired = [("link", 1, False), ("throttle", 0, 1.0)]
+    assert sorted(events[1:3]) == sorted(fired)
+    assert sorted(events[3:5]) == sorted(restored)
+    assert events[5:] == (["leave", "stop"] if interrupt else ["stop"])
+    assert signum == (signal.SIGINT if interrupt else None) and summary["interrupted"] == interrupt
+    assert json.loads((tmp_path / "elastic_summary.json").read_text()) == summary
+    assert [str(fault) for fault in schedule.unfired] == ["flap:1@500:5"]
+
+
+def test_the_resume_line_is_a_gasloc_netlab_command_with_the_same_settings(tmp_path):
+    overrides = ["experiment=demo", "network=cloud_mix", "elastic.workers=4", "netlab.bandwidth_scale=0.02",
+                 "netlab.faults=[partition:1@40:15,slow:2@90:10:1]", "elastic.chaos=[kill:2@30]",
+                 "++output_dir=/old/run", "elastic.resume=false"]
+    command = netlab_app.lab_resume_command(overrides, tmp_path, [Fault("slow", 2, 90, 10.0, 1.0)])
+    args = shlex.split(command)
+    assert args == ["gasloc-netlab", "experiment=demo", "network=cloud_mix", "elastic.workers=4",
+                    "netlab.bandwidth_scale=0.02", "netlab.faults=[slow:2@90:10:1]", f"output_dir={tmp_path}",
+                    "elastic.resume=true"]
+    cfg = _compose("netlab/app", args[1:])  # it composes as gasloc-netlab's config
+    assert cfg.elastic.resume and cfg.netlab.bandwidth_scale == 0.02 and list(cfg.elastic.chaos) == []
+    assert [str(f) for f in parse_faults(list(cfg.netlab.faults), 3)] == ["slow:2@90:10:1"]
+    assert "netlab.faults" not in netlab_app.lab_resume_command(overrides, tmp_path, [])
+
+
+# ------------------------------------------------------------------ train mode: what the ranks get
+def test_rank_overrides_drop_the_labs_keys_in_every_hydra_form_and_compose_in_gasloc_train():
+    overrides = ["model=tiny", "++trainer.max_steps=7", "++netlab.timeout_s=60", "~netlab.faults",
+                 "+netlab.extra=1", "++elastic.workers=3", "network=cloud_mix", "network.bandwidth_scale=2",
+                 "++trainer.devices=8", "+output_dir=x", "trainer.num_nodes=2", "netlab.mode=train"]
+    kept = netlab_app.rank_overrides(overrides)
+    assert kept == ["model=tiny", "++trainer.max_steps=7"]
+    cfg = _compose("train", [*kept, "trainer.devices=1", "trainer.num_nodes=8", "~network"])  # as each rank's
+    assert "netlab" not in cfg and "elastic" not in cfg and cfg.trainer.max_steps == 7
+
+
+# ------------------------------------------------------------------ the lab probe makes nothing
+def _system_namespaces() -> tuple[bool, list[str]]:
+    return Path("/run/netns").exists(), (netns_names() if os.geteuid() == 0 else [])
+
+
+def test_why_no_lab_says_why_and_leaves_nothing_behind(monkeypatch):
+    before = _system_namespaces()
+    reason = why_no_lab()
+    assert reason is None or "namespaces" in reason or "root" in reason or "iproute2" in reason
+    assert _system_namespaces() == before
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert "needs root" in why_no_lab()

@@ -35,8 +35,8 @@ from gasloc_lightning.app.elastic import worker_config  # noqa: E402
 from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
 from gasloc_lightning.comm.wire import SECRET_ENV  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
-from gasloc_lightning.netlab import (FaultSchedule, Lab, LabError, LabPlan, check_can_build,  # noqa: E402
-                                    lab_namespaces, parse_faults, remove_namespaces)
+from gasloc_lightning.netlab import (FaultSchedule, Lab, LabPlan,  # noqa: E402
+                                    lab_namespaces, parse_faults, remove_namespaces, why_no_lab)
 from gasloc_lightning.netlab.clock_check import measure  # noqa: E402
 from gasloc_lightning.netlab.shell import run  # noqa: E402
 from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV, terminate  # noqa: E402
@@ -54,18 +54,7 @@ def _lab_process(command: list[str], **popen: object) -> Iterator[subprocess.Pop
         remove_namespaces([name for name in lab_namespaces() if name.startswith(f"glab-{process.pid}-")])
 
 
-def _why_no_lab() -> str | None:
-    try:
-        check_can_build()
-        name = f"glab-{os.getpid()}-probe"
-        run("ip", "netns", "add", name)
-        run("ip", "netns", "del", name)
-    except (LabError, OSError) as error:
-        return f"network namespaces cannot be made here: {error}"
-    return None
-
-
-_NO_LAB = _why_no_lab()
+_NO_LAB = why_no_lab()  # makes nothing that outlives the check (a thread's own namespace)
 pytestmark = [pytest.mark.netlab, pytest.mark.slow, pytest.mark.distributed,
               pytest.mark.skipif(_NO_LAB is not None, reason=_NO_LAB or "")]
 

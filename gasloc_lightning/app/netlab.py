@@ -18,21 +18,25 @@ It composes ``gasloc-elastic``'s config plus ``netlab`` (``conf/netlab/default.y
 - ``clock`` mode times DiLoCo's and GASLoC's round communication across the sites next to the network clock's
   prediction (:mod:`gasloc_lightning.netlab.clock_check`).
 
-On success, error, Ctrl-C or SIGTERM every process is stopped by pid and every namespace removed (with its links).
-Not root, or no iproute2: one line saying so, exit status 2.
+On success, error, Ctrl-C, SIGTERM or SIGHUP every process is stopped by pid and every namespace removed (with its
+links); exit status 128 + the signal's number. In elastic mode a fault still in force is lifted first and the workers
+leave, each with its checkpoint, and the ``gasloc-netlab ... elastic.resume=true`` command that resumes the run in
+the lab is printed. Every setting is checked before anything is built; a bad one, not root, or no iproute2: one
+line saying so, exit status 2.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +45,12 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from gasloc_lightning.app.config import NetlabSchema, config_dir
-from gasloc_lightning.app.elastic import ElasticAppSchema, ElasticInterrupted, ElasticRun, run_elastic
-from gasloc_lightning.netlab import FaultSchedule, Lab, LabError, check_can_build, parse_faults, plan_lab
+from gasloc_lightning.app.config import NetlabSchema, check_choices, config_dir
+from gasloc_lightning.app.elastic import (ELASTIC_SUMMARY_FILE, ElasticAppSchema, ElasticInterrupted, ElasticRun,
+                                          check_elastic, print_table)
+from gasloc_lightning.app.train import check_budget
+from gasloc_lightning.netlab import (Fault, FaultSchedule, Lab, LabError, LabPlan, check_can_build, parse_faults,
+                                     plan_lab)
 from gasloc_lightning.netlab.clock_check import busiest_round, measure, median, predict_allreduce, predict_gossip
 from gasloc_lightning.netlab.lab import SITE_DEVICE
 from gasloc_lightning.netlab.placement import SitePlacement
@@ -53,6 +60,10 @@ from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV, terminate
 MODES = ("elastic", "train", "clock")
 NETLAB_SUMMARY_FILE = "netlab_summary.json"
 _POLL_S = 0.2
+# Not passed on to the ranks of train mode: the lab's own settings, and what the lab sets for each rank itself.
+_NOT_FOR_RANKS = ("netlab", "elastic", "network", "output_dir", "trainer.devices", "trainer.num_nodes")
+# Not repeated by the resume command (netlab.faults: only those not fired yet, added back).
+_NOT_FOR_RESUME = ("output_dir", "elastic.resume", "elastic.chaos", "elastic.random_chaos", "netlab.faults")
 
 
 @dataclass
@@ -64,14 +75,22 @@ ConfigStore.instance().store(group="schema", name="netlab_app", node=NetlabAppSc
 
 
 class _Signalled(Exception):
-    """SIGTERM or SIGHUP reached gasloc-netlab."""
+    """SIGTERM or SIGHUP reached gasloc-netlab (``signum``: which)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _signum_of(interrupted: BaseException) -> int:
+    return interrupted.signum if isinstance(interrupted, _Signalled) else signal.SIGINT
 
 
 @contextmanager
 def _signals_raise() -> Iterator[None]:
     """SIGTERM and SIGHUP raise (as Ctrl-C does), so the lab's ``finally`` removes everything."""
     def handler(signum: int, frame: Any) -> None:
-        raise _Signalled(f"signal {signum}")
+        raise _Signalled(signum)
 
     previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
@@ -92,27 +111,63 @@ def network_of(cfg: DictConfig) -> NetworkModel:
 
 
 def check_netlab(cfg: DictConfig) -> None:
-    """Refuse netlab settings that cannot work, naming the key."""
-    if cfg.netlab.mode not in MODES:
-        raise ValueError(f"netlab.mode must be one of {MODES}, got {cfg.netlab.mode!r}")
-    if cfg.netlab.faults and cfg.netlab.mode != "elastic":
+    """Refuse netlab settings that cannot work, naming the key (before anything is built)."""
+    netlab = cfg.netlab
+    if netlab.mode not in MODES:
+        raise ValueError(f"netlab.mode must be one of {MODES}, got {netlab.mode!r}")
+    if netlab.faults and netlab.mode != "elastic":
         raise ValueError("netlab.faults are fired in netlab.mode=elastic only (they follow the workers' steps)")
+    _check_int("netlab.clock_repeats", netlab.clock_repeats, "the median of no repeat is nothing")
+    if netlab.clock_bytes is not None:
+        _check_int("netlab.clock_bytes", netlab.clock_bytes, "null: the model's parameters x 4")
+    for key in ("timeout_s", "flap_period_s"):
+        if not netlab[key] > 0:
+            raise ValueError(f"netlab.{key} must be > 0 seconds, got {netlab[key]!r}")
+    if netlab.mode == "train":
+        _check_port("netlab.train_port", netlab.train_port, "rank 0's store must listen where the others look")
+    if netlab.mode == "elastic":
+        _check_lab_lighthouse(cfg)
+
+
+def _check_lab_lighthouse(cfg: DictConfig) -> None:
+    if cfg.elastic.lighthouse is not None:
+        raise ValueError(f"elastic.lighthouse={cfg.elastic.lighthouse!r} cannot be used in the lab: gasloc-netlab "
+                         "starts its own lighthouse in site 0 (on netlab.lighthouse_port), and the sites reach no "
+                         "address outside the lab; drop elastic.lighthouse")
+    _check_port("netlab.lighthouse_port", cfg.netlab.lighthouse_port,
+                "0 (any free port) cannot work: the launcher would look for a free port outside site 0")
+    if cfg.elastic.lighthouse_port:
+        _check_port("elastic.lighthouse_port", cfg.elastic.lighthouse_port, "it overrides netlab.lighthouse_port")
+
+
+def _check_int(key: str, value: Any, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an int >= 1, got {value!r} ({hint})")
+
+
+def _check_port(key: str, value: Any, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"{key} must be a port in [1, 65535], got {value!r} ({hint})")
 
 
 def run_netlab(cfg: DictConfig) -> dict[str, Any]:
-    """Build the lab of ``cfg``'s preset, run its mode in it, remove the lab; returns (and writes) the summary."""
+    """Build the lab of ``cfg``'s preset, run its mode in it, remove the lab; returns (and writes) the summary.
+
+    Every setting is checked before the lab is built (a bad one raises ``ValueError`` naming its key).
+    """
     check_netlab(cfg)
     network = network_of(cfg)
     workers = {"elastic": cfg.elastic.workers, "train": cfg.trainer.devices, "clock": network.world_size}
     plan = plan_lab(network, workers=int(workers[cfg.netlab.mode]), bandwidth_scale=cfg.netlab.bandwidth_scale)
     faults = parse_faults(list(cfg.netlab.faults), plan.sites)
+    elastic_cfg = _elastic_config(cfg, plan) if cfg.netlab.mode == "elastic" else None
     check_can_build()
     run_dir = Path(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with _signals_raise(), Lab(plan) as lab:
         _print_plan(lab)
-        if cfg.netlab.mode == "elastic":
-            result = _elastic(cfg, lab, faults)
+        if elastic_cfg is not None:
+            result = _elastic(cfg, elastic_cfg, lab, faults)
         elif cfg.netlab.mode == "train":
             result = _train(cfg, lab, run_dir)
         else:
@@ -132,10 +187,22 @@ def _print_plan(lab: Lab) -> None:
               flush=True)
 
 
+def _override_key(override: str) -> str:
+    """``++netlab.faults=[...]`` -> ``netlab.faults``; ``~network`` -> ``network``."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def _is_under(override: str, keys: tuple[str, ...]) -> bool:
+    key = _override_key(override)
+    return any(key == k or key.startswith(f"{k}.") for k in keys)
+
+
 # ------------------------------------------------------------------ elastic
-def _elastic(cfg: DictConfig, lab: Lab, faults: list) -> dict[str, Any]:
+def _elastic_config(cfg: DictConfig, plan: LabPlan) -> DictConfig:
+    """gasloc-elastic's config in the lab, checked as gasloc-elastic checks it: no ``netlab`` node, the lighthouse on
+    site 0's address and the lab's port and, with ``netlab.majority_quorum``, a majority as ``min_workers``."""
     elastic_cfg = _without_netlab(cfg)
-    elastic_cfg.elastic.bind = lab.plan.addresses[0]
+    elastic_cfg.elastic.bind = plan.addresses[0]
     elastic_cfg.elastic.advertise = None
     elastic_cfg.elastic.lighthouse_port = cfg.elastic.lighthouse_port or cfg.netlab.lighthouse_port
     majority = cfg.elastic.workers // 2 + 1
@@ -146,20 +213,109 @@ def _elastic(cfg: DictConfig, lab: Lab, faults: list) -> dict[str, Any]:
               f"{cfg.elastic.workers} workers (netlab.majority_quorum=true): one side of a partition trains",
               flush=True)
         elastic_cfg.elastic.min_workers = majority
+    check_choices(elastic_cfg)
+    check_budget(elastic_cfg.trainer)
+    check_elastic(elastic_cfg)
+    return elastic_cfg
+
+
+def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fault]) -> dict[str, Any]:
     schedule = FaultSchedule(faults, lab, flap_period_s=cfg.netlab.flap_period_s)
-
-    def on_poll(run: ElasticRun) -> None:
-        schedule.poll(max((r.progress().get("step") or 0 for r in run.workers if r.running), default=0))
-
-    try:
-        summary = run_elastic(elastic_cfg, on_poll=on_poll, placement=SitePlacement(lab))
-    finally:
-        schedule.lift_all()
+    run = ElasticRun(elastic_cfg, on_poll=lambda run: schedule.poll(_furthest_step(run)),
+                     placement=SitePlacement(lab))
+    signum, summary = run_in_lab(run, schedule)
+    print_table(summary)
+    if signum is not None:
+        _print_resume(summary, run.run_dir, schedule.unfired)
+        raise ElasticInterrupted(signum, f"gasloc-netlab: interrupted by {signal.Signals(signum).name}; the "
+                                         "workers left (resume with the gasloc-netlab command above)")
+    _raise_if_failed(run, summary)
     finished = [row for row in summary["workers"] if row["status"] == "finished"]
     checksums = sorted({row["model_checksum"] for row in finished})
     print(f"netlab: {len(finished)} of {len(summary['workers'])} workers finished at steps "
           f"{sorted({row['final_step'] for row in finished})} on {len(checksums)} model(s)", flush=True)
     return {"faults": schedule.fired, "workers": summary["workers"], "models": len(checksums)}
+
+
+def run_in_lab(run: ElasticRun, schedule: FaultSchedule) -> tuple[int | None, dict[str, Any]]:
+    """Run an elastic launcher to its end with faults on the lab's links; the summary, also written to the run.
+
+    The steps of :func:`~gasloc_lightning.app.elastic.run_elastic` (start and watch; on Ctrl-C, SIGTERM or SIGHUP
+    every worker leaves; then stop what still runs, clean up, write the summary) and one more: every link is
+    restored before the workers are asked to leave and before the launcher stops them (its SIGTERM asks them to
+    leave too). A worker behind a partition can then finish its round and checkpoint, instead of waiting out
+    ``elastic.leave_grace_s`` and being killed. The resume command is the caller's to print (gasloc-netlab's, not
+    gasloc-elastic's).
+
+    Args:
+        run: the launcher, not started yet, placed in the lab; its ``on_poll`` polls ``schedule``.
+        schedule: the faults on the lab's links.
+
+    Returns:
+        The signal that interrupted the run (None: it ran to its end), and the summary.
+    """
+    signum: int | None = None
+    try:
+        try:
+            run.start()
+            run.watch()
+        except (KeyboardInterrupt, _Signalled) as interrupted:
+            signum = _signum_of(interrupted)
+            run.interrupted = True
+            schedule.lift_all()
+            _leave(run)
+    finally:
+        schedule.lift_all()
+        run.stop()
+        run.clean_up()
+        summary = run.summary()
+        (run.run_dir / ELASTIC_SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return signum, summary
+
+
+def _leave(run: ElasticRun) -> None:
+    try:
+        run.leave()
+    except (KeyboardInterrupt, _Signalled):
+        print("a second signal: stopping the workers now", flush=True)
+
+
+def _furthest_step(run: ElasticRun) -> int:
+    return max((record.progress().get("step") or 0 for record in run.workers if record.running), default=0)
+
+
+def _raise_if_failed(run: ElasticRun, summary: dict[str, Any]) -> None:
+    """A worker that failed or was refused fails the run, with its error (as gasloc-elastic's does)."""
+    failed = [row["worker"] for row in summary["workers"] if row["status"] in ("failed", "refused")]
+    if failed:
+        errors = "; ".join(f"worker {worker}: {run.workers[worker].final.get('error')}" for worker in failed)
+        raise RuntimeError(f"worker(s) {failed} failed ({errors}); see their worker.log under {run.run_dir}")
+
+
+def _print_resume(summary: dict[str, Any], run_dir: Path, unfired: list[Fault]) -> None:
+    print("interrupted: the workers left; their checkpoints:", flush=True)
+    for row in summary["workers"]:
+        where = row["checkpoint"] or f"none ({row['status']}: it joins from a peer on resume)"
+        print(f"  worker {row['worker']}: {where}", flush=True)
+    print(f"resume in the lab with: {lab_resume_command(_task_overrides(), run_dir, unfired)}", flush=True)
+
+
+def lab_resume_command(overrides: list[str], run_dir: Path | str, unfired: list[Fault]) -> str:
+    """The ``gasloc-netlab`` command that resumes an interrupted elastic lab run from its workers' checkpoints.
+
+    The same command line (so the same network preset, lab and training settings) with the run's
+    ``output_dir`` and ``elastic.resume=true``. Chaos is dropped, as gasloc-elastic drops it (its steps are behind
+    the resumed workers, so every event would fire at once), and so are the faults that fired: only ``unfired``
+    ones are kept.
+
+    Args:
+        overrides: the interrupted run's command-line overrides (Hydra's task overrides).
+        run_dir: the interrupted run's ``output_dir``, holding ``worker_<W>/checkpoints/left``.
+        unfired: the faults whose step had not come yet.
+    """
+    kept = [override for override in overrides if not _is_under(override, _NOT_FOR_RESUME)]
+    faults = [f"netlab.faults=[{','.join(str(fault) for fault in unfired)}]"] if unfired else []
+    return shlex.join(["gasloc-netlab", *kept, *faults, f"output_dir={run_dir}", "elastic.resume=true"])
 
 
 def _without_netlab(cfg: DictConfig) -> DictConfig:
@@ -173,9 +329,7 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
     """One ``gasloc-train`` process per rank in its site, as torchrun starts them: ``trainer.num_nodes=N`` of one
     device, ``NODE_RANK``/``LOCAL_RANK``/``MASTER_ADDR`` in the environment, gloo bound to the site's link."""
     world, plan = int(cfg.trainer.devices), lab.plan
-    # The lab's links replace the simulated network (~network), whose clock would count one rank per process.
-    overrides = [o for o in _task_overrides() if not o.startswith(("netlab.", "elastic.", "output_dir=", "network=",
-                                                                   "trainer.devices=", "trainer.num_nodes="))]
+    overrides = rank_overrides(_task_overrides())
     base = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     processes: list[subprocess.Popen] = []
     started = time.monotonic()
@@ -185,8 +339,8 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
                    "WORLD_SIZE": str(world), "NODE_RANK": str(rank), "LOCAL_RANK": "0", "RANK": str(rank),
                    "GLOO_SOCKET_IFNAME": SITE_DEVICE, LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": "1"}
             command = [sys.executable, "-m", "gasloc_lightning.app.train", *overrides, f"output_dir={run_dir}",
-                       "trainer.devices=1", f"trainer.num_nodes={world}", "~network", "strategy.start_method=popen", "hydra.output_subdir=null",
-                       f"hydra.run.dir={run_dir}"]
+                       "trainer.devices=1", f"trainer.num_nodes={world}", "~network", "strategy.start_method=popen",
+                       "hydra.output_subdir=null", f"hydra.run.dir={run_dir}"]
             with open(run_dir / f"rank_{rank}.log", "ab") as log_file:
                 processes.append(subprocess.Popen(lab.wrap(command, plan.worker_sites[rank]), env=env,
                                                   stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
@@ -201,6 +355,21 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
     return {"wall_s": wall_s, "exit_codes": codes}
 
 
+def rank_overrides(overrides: list[str]) -> list[str]:
+    """The command-line overrides a rank of train mode gets: gasloc-train's own, in any Hydra form (``key=``,
+    ``+key=``, ``++key=``, ``~key``).
+
+    Left out: ``netlab.*`` and ``elastic.*`` (gasloc-train has no such nodes: ``~`` of them fails there, ``+``/``++``
+    would add stray ones), ``network`` and its keys (the lab's links replace the simulated network, ``~network``,
+    whose clock would count one rank per process), and what the lab sets per rank (``output_dir``,
+    ``trainer.devices``, ``trainer.num_nodes``).
+
+    Args:
+        overrides: gasloc-netlab's command-line overrides (Hydra's task overrides).
+    """
+    return [override for override in overrides if not _is_under(override, _NOT_FOR_RANKS)]
+
+
 def _wait_all(processes: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
     """Wait for every process; the first failure or the timeout ends the wait (the caller stops the rest)."""
     deadline = time.monotonic() + timeout_s
@@ -209,7 +378,7 @@ def _wait_all(processes: list[subprocess.Popen], timeout_s: float) -> list[int |
         if all(code is not None for code in codes) or any(code not in (None, 0) for code in codes):
             return codes
         time.sleep(_POLL_S)
-    raise TimeoutError(f"gasloc-netlab: the ranks ran past netlab.timeout_s={timeout_s:g}s")
+    raise TimeoutError(f"the ranks ran past netlab.timeout_s={timeout_s:g}s: stopped")
 
 
 def _task_overrides() -> list[str]:
@@ -220,18 +389,18 @@ def _task_overrides() -> list[str]:
 
 # ------------------------------------------------------------------ clock
 def _clock(cfg: DictConfig, network: NetworkModel, lab: Lab, run_dir: Path) -> dict[str, Any]:
-    scale, repeats = cfg.netlab.bandwidth_scale, cfg.netlab.clock_repeats
+    scale, deadline = cfg.netlab.bandwidth_scale, time.monotonic() + cfg.netlab.timeout_s
     nbytes = int(cfg.netlab.clock_bytes or 4 * _parameters(cfg))
     preset = _preset_name(cfg)
     rows = []
     full, bandwidth, ring = predict_allreduce(network, nbytes, scale)
-    seconds = measure(lab, pattern="allreduce", nbytes=nbytes, pairs=[], repeats=repeats, folder=run_dir / "clock")
+    seconds = _measure_by(deadline, cfg, lab, run_dir, pattern="allreduce", nbytes=nbytes, pairs=[])
     rows.append({"preset": preset, "pattern": "allreduce (DiLoCo)", "nbytes": nbytes, "predicted": full,
                  "predicted_bw": bandwidth, "predicted_ring_bw": ring, "measured": median(seconds), "repeats": seconds})
     round_index, pairs = busiest_round(network, instantiate(cfg.topology))
     full, bandwidth = predict_gossip(network, pairs, nbytes, scale)
     for pattern, order in (("gossip", "send first, as the engines"), ("gossip_recv_first", "recv first")):
-        seconds = measure(lab, pattern=pattern, nbytes=nbytes, pairs=pairs, repeats=repeats, folder=run_dir / "clock")
+        seconds = _measure_by(deadline, cfg, lab, run_dir, pattern=pattern, nbytes=nbytes, pairs=pairs)
         rows.append({"preset": preset, "pattern": f"gossip (GASLoC round {round_index}, {len(pairs)} pairs, {order})",
                      "nbytes": nbytes, "predicted": full, "predicted_bw": bandwidth, "predicted_ring_bw": None,
                      "measured": median(seconds), "repeats": seconds})
@@ -243,6 +412,19 @@ def _clock(cfg: DictConfig, network: NetworkModel, lab: Lab, run_dir: Path) -> d
               f"{row['predicted_bw']:.2f} | {ring_text} | {row['measured']:.2f} | "
               f"{row['measured'] / row['predicted_bw']:.2f} |", flush=True)
     return {"clock": rows, "bandwidth_scale": scale}
+
+
+def _measure_by(deadline: float, cfg: DictConfig, lab: Lab, run_dir: Path, **pattern: Any) -> list[float]:
+    """One clock probe within what is left of ``netlab.timeout_s`` (``measure`` stops its probes by pid)."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0:
+            raise TimeoutError("no time left for the next pattern")
+        return measure(lab, repeats=cfg.netlab.clock_repeats, folder=run_dir / "clock", timeout_s=left, **pattern)
+    except TimeoutError as error:
+        if time.monotonic() < deadline:
+            raise
+        raise TimeoutError(f"clock mode ran past netlab.timeout_s={cfg.netlab.timeout_s:g}s ({error})") from None
 
 
 def _parameters(cfg: DictConfig) -> int:
@@ -261,10 +443,11 @@ def _preset_name(cfg: DictConfig) -> str:
 # ------------------------------------------------------------------ entry point
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="netlab/app")
 def main(cfg: DictConfig) -> None:
-    """Console entry point ``gasloc-netlab`` (2: the lab cannot be built; 128 + signal: interrupted)."""
+    """Console entry point ``gasloc-netlab``: 2, a setting or the lab cannot work; 1, a worker, rank or probe failed or
+    ran past its timeout; 128 + the signal's number, interrupted (Ctrl-C 130, SIGTERM 143, SIGHUP 129)."""
     try:
         run_netlab(cfg)
-    except (LabError, ValueError) as error:
+    except (LabError, ValueError, FileNotFoundError) as error:  # FileNotFoundError: elastic.resume with nothing left
         print(f"gasloc-netlab: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except ElasticInterrupted as interrupted:
@@ -274,9 +457,10 @@ def main(cfg: DictConfig) -> None:
         print(f"gasloc-netlab: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except (KeyboardInterrupt, _Signalled) as interrupted:
-        print(f"gasloc-netlab: interrupted ({interrupted or 'SIGINT'}); the lab is removed", file=sys.stderr,
+        signum = _signum_of(interrupted)
+        print(f"gasloc-netlab: interrupted by {signal.Signals(signum).name}; the lab is removed", file=sys.stderr,
               flush=True)
-        raise SystemExit(130) from None
+        raise SystemExit(128 + signum) from None
 
 
 if __name__ == "__main__":

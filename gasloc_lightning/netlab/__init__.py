@@ -13,7 +13,7 @@ Needs root; see ``docs/netlab.md``.
 from gasloc_lightning.netlab.faults import Fault, FaultSchedule, parse_faults
 from gasloc_lightning.netlab.lab import Lab, lab_namespaces, remove_namespaces, stale_namespaces
 from gasloc_lightning.netlab.plan import LabPlan, plan_lab
-from gasloc_lightning.netlab.shell import LabError, check_can_build
+from gasloc_lightning.netlab.shell import LabError, check_can_build, why_no_lab
 
 __all__ = ["Fault", "FaultSchedule", "Lab", "LabError", "LabPlan", "check_can_build", "lab_namespaces",
-           "parse_faults", "plan_lab", "remove_namespaces", "stale_namespaces"]
+           "parse_faults", "plan_lab", "remove_namespaces", "stale_namespaces", "why_no_lab"]

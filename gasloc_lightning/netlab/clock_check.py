@@ -91,10 +91,25 @@ def measure(lab: Lab, *, pattern: str, nbytes: int, pairs: list[tuple[int, int]]
             folder: Path, timeout_s: float = 300.0) -> list[float]:
     """Run the probe's ``pattern`` on every rank of ``lab.plan`` (one rank per worker of the plan); its seconds.
 
-    Every process it starts is stopped by pid before it returns, whatever happens.
+    Args:
+        lab: the built lab (its ``wrap`` places each rank in its site).
+        pattern: one of the probe's ``PATTERNS``.
+        nbytes: bytes of one message, >= 1.
+        pairs: the gossip round's pairs (unused by ``allreduce``).
+        repeats: timed repeats, >= 1.
+        folder: where the ranks' logs and results go.
+        timeout_s: the whole measurement's limit, > 0 (start-up included).
+
+    Raises:
+        TimeoutError: the ranks ran past ``timeout_s``.
+        RuntimeError: a rank failed.
+
+    Every process it starts is stopped by pid before it returns or raises, whatever happens.
     """
+    _check_measure(nbytes=nbytes, repeats=repeats, timeout_s=timeout_s)
     folder.mkdir(parents=True, exist_ok=True)
     plan, world = lab.plan, len(lab.plan.worker_sites)
+    deadline = time.monotonic() + timeout_s
     port_file, out = folder / f"{pattern}.port", folder / f"{pattern}.json"
     port_file.unlink(missing_ok=True)
     common = ["--world", str(world), "--bytes", str(nbytes), "--pattern", pattern, "--repeats", str(repeats),
@@ -102,19 +117,29 @@ def measure(lab: Lab, *, pattern: str, nbytes: int, pairs: list[tuple[int, int]]
     processes: list[subprocess.Popen] = []
     try:
         processes.append(_start(lab, 0, [*common, "--port-file", str(port_file), "--out", str(out)], folder))
-        port = _wait_for_port(port_file, processes[0])
+        port = _wait_for_port(port_file, processes[0], min(deadline, time.monotonic() + _START_TIMEOUT_S))
         for rank in range(1, world):
             master = f"{plan.address_of_worker(0)}:{port}"
             processes.append(_start(lab, rank, [*common, "--master", master], folder))
-        deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
             time.sleep(0.1)
         codes = [p.poll() for p in processes]
+        if None in codes:
+            raise TimeoutError(f"clock probe {pattern}: ranks {[r for r, c in enumerate(codes) if c is None]} still "
+                               f"ran after {timeout_s:g}s: stopped (see {folder}/rank_*.log)")
         if codes != [0] * world:
             raise RuntimeError(f"clock probe {pattern}: exit codes {codes} (see {folder}/rank_*.log)")
         return json.loads(out.read_text())["seconds"]
     finally:
         terminate(processes, 5.0)
+
+
+def _check_measure(*, nbytes: int, repeats: int, timeout_s: float) -> None:
+    for name, value in (("nbytes", nbytes), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
 
 
 def _start(lab: Lab, rank: int, args: list[str], folder: Path) -> subprocess.Popen:
@@ -125,15 +150,16 @@ def _start(lab: Lab, rank: int, args: list[str], folder: Path) -> subprocess.Pop
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_for_port(port_file: Path, rank0: subprocess.Popen) -> int:
-    deadline = time.monotonic() + _START_TIMEOUT_S
+def _wait_for_port(port_file: Path, rank0: subprocess.Popen, deadline: float) -> int:
+    waited_from = time.monotonic()
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
             return int(port_file.read_text())
         if rank0.poll() is not None:
             raise RuntimeError(f"clock probe rank 0 exited with {rank0.returncode} before listening")
         time.sleep(0.05)
-    raise TimeoutError(f"clock probe rank 0 did not listen within {_START_TIMEOUT_S:g}s")
+    raise TimeoutError(f"clock probe rank 0 did not listen within {deadline - waited_from:.0f}s: stopped (see "
+                       f"{port_file.parent}/rank_0.log)")
 
 
 def median(values: list[float]) -> float:

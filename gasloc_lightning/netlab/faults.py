@@ -6,6 +6,11 @@
 - ``flap:SITE@STEP:SECONDS``: SITE's link goes down and up every ``flap_period_s`` for SECONDS, then stays up;
 - ``slow:SITE@STEP:SECONDS:MBIT``: both directions of SITE's links are capped at MBIT Mbit/s for SECONDS.
 
+Two faults that act on the same thing of one site (its link's state: partition and flap; its rate: slow) at the
+same STEP are refused: their windows certainly overlap. Faults at different steps may still overlap (a window is
+in seconds, a step's time is known only in the run); then they compose instead of undoing each other: a link is
+down while any partition, or any flap in its down phase, holds it, and capped at the lowest cap in force.
+
 :class:`FaultSchedule` is driven by polls (:meth:`FaultSchedule.poll` with the current step and time), so it needs
 no thread of its own; :meth:`FaultSchedule.lift_all` restores every link (the run ended, or failed, mid-fault).
 """
@@ -20,6 +25,7 @@ from typing import Protocol
 
 ACTIONS = ("partition", "flap", "slow")
 _FAULT = re.compile(r"^(partition|flap|slow):(\d+)@(\d+):(\d+(?:\.\d+)?)(?::(\d+(?:\.\d+)?))?$")
+_LINK_ACTIONS = ("partition", "flap")  # both set the link's state; slow sets its rate
 
 
 class _Links(Protocol):
@@ -41,24 +47,36 @@ class Fault:
         suffix = f":{self.mbit:g}" if self.action == "slow" else ""
         return f"{self.action}:{self.site}@{self.step}:{self.seconds:g}{suffix}"
 
+    def conflicts_with(self, other: Fault) -> bool:
+        """Whether both act on the same thing of the same site: its link's state, or its rate."""
+        return self.site == other.site and (self.action in _LINK_ACTIONS) == (other.action in _LINK_ACTIONS)
+
 
 def parse_faults(entries: list[str], sites: int) -> list[Fault]:
     """Parse and check ``netlab.faults`` for a lab of ``sites`` sites (sorted by step, stable within a step)."""
-    faults = []
-    for entry in entries:
-        match = _FAULT.match(str(entry).strip())
-        if match is None:
-            raise ValueError(f"netlab.faults entry {entry!r}: expected partition:SITE@STEP:SECONDS, "
-                             "flap:SITE@STEP:SECONDS or slow:SITE@STEP:SECONDS:MBIT")
-        action, site, step, seconds, mbit = match.groups()
-        if int(site) >= sites:
-            raise ValueError(f"netlab.faults entry {entry!r}: site {site} does not exist (the preset has {sites})")
-        if (action == "slow") != (mbit is not None):
-            raise ValueError(f"netlab.faults entry {entry!r}: only slow takes :MBIT, and it needs it")
-        if float(seconds) <= 0 or (mbit is not None and float(mbit) <= 0):
-            raise ValueError(f"netlab.faults entry {entry!r}: SECONDS and MBIT must be > 0")
-        faults.append(Fault(action, int(site), int(step), float(seconds), None if mbit is None else float(mbit)))
-    return sorted(faults, key=lambda fault: fault.step)
+    faults = sorted((_parse(str(entry).strip(), sites) for entry in entries), key=lambda fault: fault.step)
+    for i, fault in enumerate(faults):
+        for other in faults[i + 1:]:
+            if other.step == fault.step and other.conflicts_with(fault):
+                raise ValueError(f"netlab.faults entries {str(fault)!r} and {str(other)!r} both act on site "
+                                 f"{fault.site}'s {'link' if fault.action in _LINK_ACTIONS else 'rate'} from step "
+                                 f"{fault.step}: their windows overlap; give one a later step")
+    return faults
+
+
+def _parse(entry: str, sites: int) -> Fault:
+    match = _FAULT.match(entry)
+    if match is None:
+        raise ValueError(f"netlab.faults entry {entry!r}: expected partition:SITE@STEP:SECONDS, "
+                         "flap:SITE@STEP:SECONDS or slow:SITE@STEP:SECONDS:MBIT")
+    action, site, step, seconds, mbit = match.groups()
+    if int(site) >= sites:
+        raise ValueError(f"netlab.faults entry {entry!r}: site {site} does not exist (the preset has {sites})")
+    if (action == "slow") != (mbit is not None):
+        raise ValueError(f"netlab.faults entry {entry!r}: only slow takes :MBIT, and it needs it")
+    if float(seconds) <= 0 or (mbit is not None and float(mbit) <= 0):
+        raise ValueError(f"netlab.faults entry {entry!r}: SECONDS and MBIT must be > 0")
+    return Fault(action, int(site), int(step), float(seconds), None if mbit is None else float(mbit))
 
 
 @dataclass
@@ -67,6 +85,10 @@ class _Active:
     ends_at: float
     link_up: bool = False  # flap: the link's state now
     next_toggle: float = 0.0
+
+    @property
+    def holds_link_down(self) -> bool:
+        return self.fault.action == "partition" or (self.fault.action == "flap" and not self.link_up)
 
 
 @dataclass
@@ -88,7 +110,11 @@ class FaultSchedule:
     clock: Callable[[], float] = time.monotonic
     _pending: list[Fault] = field(init=False)
     _active: list[_Active] = field(init=False, default_factory=list)
+    # The sites whose link is down, and the caps in force, as the links were last told (see _apply).
+    _down: set[int] = field(init=False, default_factory=set)
+    _caps: dict[int, float] = field(init=False, default_factory=dict)
     fired: list[str] = field(init=False, default_factory=list)
+    unfired: list[Fault] = field(init=False, default_factory=list)  # dropped by lift_all before their step came
 
     def __post_init__(self) -> None:
         if not self.flap_period_s > 0:
@@ -110,34 +136,58 @@ class FaultSchedule:
                 self._lift(active)
             elif active.fault.action == "flap" and now >= active.next_toggle:
                 active.link_up = not active.link_up
-                self.links.set_link(active.fault.site, active.link_up)
                 active.next_toggle = now + self.flap_period_s
+                self._apply(active.fault.site)
 
     def lift_all(self) -> None:
-        """Restore every link a fault still holds (and drop the faults not fired yet)."""
-        self._pending = []
+        """Restore every link a fault still holds (and drop the faults not fired yet: see ``unfired``)."""
+        self.unfired, self._pending = self.unfired + self._pending, []
         for active in list(self._active):
             self._lift(active)
+        for site in sorted(self._down | set(self._caps)):  # an interrupt may have cut a command short
+            self._apply(site)
 
     def _fire(self, fault: Fault, step: int, now: float) -> None:
-        active = _Active(fault, ends_at=now + fault.seconds, next_toggle=now + self.flap_period_s)
+        holding = [str(a.fault) for a in self._active if a.fault.conflicts_with(fault)]
+        self._active.append(_Active(fault, ends_at=now + fault.seconds, next_toggle=now + self.flap_period_s))
+        self._apply(fault.site)
         if fault.action == "slow":
-            self.links.throttle(fault.site, fault.mbit)
             what = f"links of site {fault.site} capped at {fault.mbit:g} Mbit/s"
         else:
-            self.links.set_link(fault.site, False)
             what = f"site {fault.site}'s link down" + (" (flapping)" if fault.action == "flap" else "")
-        self._active.append(active)
-        self._say(f"netlab: fault {fault} at step {step}: {what} for {fault.seconds:g}s")
+        also = f" (with {', '.join(holding)} still in force: the stricter holds)" if holding else ""
+        self._say(f"netlab: fault {fault} at step {step}: {what} for {fault.seconds:g}s{also}")
 
     def _lift(self, active: _Active) -> None:
-        fault = active.fault
-        if fault.action == "slow":
-            self.links.throttle(fault.site, None)
-        else:
-            self.links.set_link(fault.site, True)
         self._active.remove(active)
-        self._say(f"netlab: fault {fault} lifted: site {fault.site}'s link restored")
+        self._apply(active.fault.site)
+        fault = active.fault
+        still = [str(a.fault) for a in self._active if a.fault.site == fault.site]
+        if still:
+            self._say(f"netlab: fault {fault} lifted; site {fault.site} stays under {', '.join(still)}")
+        else:
+            self._say(f"netlab: fault {fault} lifted: site {fault.site}'s link restored")
+
+    def _apply(self, site: int) -> None:
+        """Bring ``site``'s link and cap to what the faults in force on it ask for (a command only on a change).
+
+        A cut is recorded before its command and a restore after it, so whatever an interrupt cuts short, the
+        record never says "restored" of a link that is not: lift_all then restores it once more."""
+        mine = [active for active in self._active if active.fault.site == site]
+        down = any(active.holds_link_down for active in mine)
+        cap = min((a.fault.mbit for a in mine if a.fault.action == "slow"), default=None)
+        if down and site not in self._down:
+            self._down.add(site)
+            self.links.set_link(site, False)
+        elif not down and site in self._down:
+            self.links.set_link(site, True)
+            self._down.discard(site)
+        if cap is not None and cap != self._caps.get(site):
+            self._caps[site] = cap
+            self.links.throttle(site, cap)
+        elif cap is None and site in self._caps:
+            self.links.throttle(site, None)
+            del self._caps[site]
 
     def _say(self, line: str) -> None:
         self.fired.append(line)

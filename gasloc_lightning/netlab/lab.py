@@ -116,25 +116,31 @@ class Lab:
         run("tc", "-n", ns, "qdisc", "add", "dev", SITE_DEVICE, "root", "handle", "1:", "htb", "default", "1")
         run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", "1:", "classid", "1:1", "htb",
             "rate", _DEFAULT_CLASS_RATE)
-        parent = "1:"
         if self.plan.uplinks_mbit is not None:  # every flow leaving the site shares its uplink (in: below)
-            parent = _UPLINK_CLASS
             uplink = self.plan.uplinks_mbit[site]
-            run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", "1:", "classid", parent, "htb",
+            run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", "1:", "classid", _UPLINK_CLASS, "htb",
                 *_rate_args(uplink))
             self._shape_ingress(site, uplink)
         for other in range(self.plan.sites):
             if other == site:
                 continue
-            run("tc", "-n", ns, "class", "add", "dev", SITE_DEVICE, "parent", parent, "classid", _class(other),
-                "htb", *self._class_args(site, other))
-            # A short queue under each class (fq_codel, sfq and netem are not in this kernel): the default, 1000
-            # segments, holds seconds at these rates, and gloo sends both directions of a pair over one TCP
-            # connection, so one direction's ACKs would wait behind the other's data.
-            run("tc", "-n", ns, "qdisc", "add", "dev", SITE_DEVICE, "parent", _class(other), "bfifo", "limit",
-                str(_queue_bytes(self._rates[site][other])))
+            self._shape_pair(site, other, "add")
             run("tc", "-n", ns, "filter", "add", "dev", SITE_DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
                 "u32", "match", "ip", "dst", f"{self.plan.addresses[other]}/32", "flowid", _class(other))
+
+    def _shape_pair(self, site: int, other: int, verb: str) -> None:
+        """The htb class from ``site`` to ``other`` and the short queue under it, both sized for the rate in force
+        (``verb``: ``add`` when building, ``change`` when a fault changes the rate)."""
+        ns = self.site_namespace(site)
+        parent = "1:" if self.plan.uplinks_mbit is None else _UPLINK_CLASS
+        run("tc", "-n", ns, "class", verb, "dev", SITE_DEVICE, "parent", parent, "classid", _class(other), "htb",
+            *self._class_args(site, other))
+        # A short queue under each class (fq_codel, sfq and netem are not in this kernel): the default, 1000
+        # segments, holds seconds at these rates, and gloo sends both directions of a pair over one TCP
+        # connection, so one direction's ACKs would wait behind the other's data. Resized with the rate: a queue
+        # sized for the planned rate would hold seconds of data under a ``slow`` cap.
+        run("tc", "-n", ns, "qdisc", verb, "dev", SITE_DEVICE, "parent", _class(other), "bfifo", "limit",
+            str(_queue_bytes(self._rates[site][other])))
 
     def _shape_ingress(self, site: int, mbit: float) -> None:
         """What enters ``site`` crosses its uplink too: its backbone port's egress, capped at ``mbit``."""
@@ -173,18 +179,18 @@ class Lab:
         run("ip", "-n", self.backbone, "link", "set", f"s{self._site(site)}", "up" if up else "down")
 
     def throttle(self, site: int, mbit: float | None) -> None:
-        """Cap both directions of every link of ``site`` at ``mbit`` (None: back to the plan's rates)."""
+        """Cap both directions of every link of ``site`` at ``mbit`` (None: back to the plan's rates); each class's
+        queue is resized with its rate, as when the lab was built."""
         site = self._site(site)
+        if mbit is not None and not (isinstance(mbit, (int, float)) and mbit > 0):
+            raise ValueError(f"mbit must be a number > 0 or None, got {mbit!r}")
         for other in range(self.plan.sites):
             if other == site:
                 continue
             for a, b in ((site, other), (other, site)):
                 planned = self.plan.rates_mbit[a][b]
-                rate = planned if mbit is None else min(planned, mbit)
-                self._rates[a][b] = rate
-                parent = "1:" if self.plan.uplinks_mbit is None else _UPLINK_CLASS
-                run("tc", "-n", self.site_namespace(a), "class", "change", "dev", SITE_DEVICE, "parent", parent,
-                    "classid", _class(b), "htb", *self._class_args(a, b))
+                self._rates[a][b] = planned if mbit is None else min(planned, mbit)
+                self._shape_pair(a, b, "change")
 
     def rates_mbit(self) -> list[list[float]]:
         """The rates in force now (the plan's, unless a ``slow`` fault holds)."""

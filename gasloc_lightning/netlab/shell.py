@@ -9,12 +9,16 @@ dependency that only the lab would use. The cost, a fork per command, is paid on
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
 import subprocess
+import threading
 
 log = logging.getLogger(__name__)
+
+_CLONE_NEWNET = 0x40000000
 
 
 class LabError(RuntimeError):
@@ -46,3 +50,28 @@ def run(*args: str, check: bool = True) -> str:
 def netns_names() -> list[str]:
     """Every network namespace ``ip netns`` knows (named ones)."""
     return [line.split()[0] for line in run("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def why_no_lab() -> str | None:
+    """Why the lab cannot be built here, or None if it can; found without making anything that outlives the check.
+
+    Root and iproute2 (:func:`check_can_build`), then one network namespace, unshared by a thread that ends with
+    the check: the namespace goes with it, and no name, folder or mount is left (``ip netns add`` would make
+    ``/run/netns`` and a bind mount). Safe to call when a test module is imported.
+    """
+    try:
+        check_can_build()
+    except LabError as error:
+        return str(error)
+    result: list[str] = []
+    thread = threading.Thread(target=_try_unshare, args=(result,), name="netlab-unshare-probe")
+    thread.start()
+    thread.join()
+    return result[0] if result else None
+
+
+def _try_unshare(result: list[str]) -> None:
+    # unshare(CLONE_NEWNET) moves this thread only; the namespace is freed when the thread ends.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNET) != 0:
+        result.append(f"network namespaces cannot be made here: {os.strerror(ctypes.get_errno())}")
