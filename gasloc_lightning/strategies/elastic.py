@@ -65,7 +65,7 @@ from gasloc_lightning.algorithm.round import GossipRound
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.flat import all_finite
-from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum
+from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum, SurplusWorkerError
 from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
@@ -379,7 +379,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         return self._boundary == _AVERAGE or 0 < trainer.max_steps <= trainer.global_step
 
     def _take_peer_state(self, state: dict[str, Any]) -> None:
-        self._taking_peer_state = True  # until it is all applied (a leave must not checkpoint half of it)
+        # True until it is all applied: a leave must not checkpoint half of it. Not reset in a ``finally``: a leave
+        # that interrupts the application must still see it (a refused state fails the fit anyway).
+        self._taking_peer_state = True
         self._take_checked_peer_state(state)
         self._taking_peer_state = False
 
@@ -469,6 +471,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         heals = len(self._healed_rounds)
         try:
             quorum = self.membership.start_quorum()
+        except SurplusWorkerError:
+            raise  # refused (past max_workers), not a leave
         except (MembershipError, ElasticLeave) as error:
             if self._leave_requested_at is None or len(self._healed_rounds) != heals or self._taking_peer_state:
                 raise  # not leaving, or a peer's state was (being) applied: this state is no round's end
