@@ -166,3 +166,13 @@ def test_every_preset_runs_in_the_simulator(preset, corpus, tmp_path):
 def test_preemption_and_sim_down_fraction_together_are_refused(corpus, tmp_path):
     with pytest.raises(ValueError, match="give one"):
         _sim(corpus, tmp_path, ["network=preemption", "sim.down_fraction=0.1"])
+
+
+@pytest.mark.parametrize("preset", ["jitter", "preemption"])
+def test_bandwidth_aware_on_a_network_without_clusters_says_what_to_give(preset, tmp_path):
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("sim/app", overrides=["experiment=demo", f"network={preset}", "topology=bandwidth_aware",
+                                            "sim.workers=8", f"output_dir={tmp_path}"])
+    with pytest.raises(Exception, match="bandwidth_aware needs clusters: give topology.sizes") as caught:
+        instantiate(cfg.topology, _convert_="all")
+    assert "network=two_clusters" in str(caught.value)

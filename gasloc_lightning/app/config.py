@@ -45,9 +45,10 @@ class TopologySchema:
 
 @dataclass
 class BandwidthAwareTopologySchema(TopologySchema):
-    """Matchings that favour fast links: clusters over consecutive ranks (``sizes``)."""
+    """Matchings that favour fast links: clusters over consecutive ranks (``sizes``; None without a clustered
+    network: refused, with what to give, when the topology is built)."""
 
-    sizes: list[int] = MISSING
+    sizes: Optional[list[int]] = None
     slow_link_rate: float = 0.2
     schedule: str = "concentrated"
     scale_to: Optional[int] = None

@@ -261,6 +261,9 @@ class BandwidthAwareTopology(Topology):
             scale_to: the clusters scaled in proportion to this many ranks, as a network preset scales
                 its own (:func:`gasloc_lightning.network.scaled_sizes`); None: ``sizes`` as given.
         """
+        if sizes is None:
+            raise TopologyError("bandwidth_aware needs clusters: give topology.sizes (ranks per cluster, e.g. [4, 4]) "
+                                "or a clustered network (network=two_clusters, cloud_mix or many_sites)")
         valid = not isinstance(sizes, (str, numbers.Number)) and len(sizes) > 0
         if not valid or not all(_is_index(size) and size > 0 for size in sizes):
             raise TopologyError(f"sizes must be a non-empty list of positive ints, got {sizes!r}")
