@@ -213,21 +213,31 @@ def markdown(out: Path) -> str:
     return "\n".join(lines)
 
 
+NEVER = 50.0  # where a seed that never reached the target is drawn (above every measured ratio)
+
+
 def plot(out: Path) -> None:
+    """Each held-out seed's ratio per method (x: never reached), one panel per scenario, one colour per n."""
     from matplotlib.figure import Figure
 
     records = _records(out)
-    scenarios = sorted({name for record in records for name in record["scenarios"]})
-    figure = Figure(figsize=(4 * max(len(scenarios), 1), 4))
+    scenarios = [name for name in SCENARIOS if any(name in record["scenarios"] for record in records)]
+    methods = list(METHODS)
+    figure = Figure(figsize=(4 * max(len(scenarios), 1), 4.2))
     for axes, scenario in zip(figure.subplots(1, len(scenarios), squeeze=False)[0], scenarios):
-        for record in records:
+        for shift, record in zip((-0.15, 0.15, 0.0), records):
             results = record["scenarios"].get(scenario, {}).get("results", {})
-            methods = list(results)
-            ratios = [results[m]["ratio_mean"] or math.nan for m in methods]
-            axes.plot(range(len(methods)), ratios, "o", label=f"n = {record['workers']}")
-            axes.set_xticks(range(len(methods)), [m.replace("_", "\n") for m in methods], fontsize=6)
+            points = [(index + shift, ratio) for index, method in enumerate(methods)
+                      for ratio in results.get(method, {}).get("ratios", [])]
+            reached = [(x, r) for x, r in points if r is not None]
+            color = axes.plot(*zip(*reached), "o", label=f"n = {record['workers']}")[0].get_color() if reached \
+                else None
+            never = [x for x, r in points if r is None]
+            if never:
+                axes.plot(never, [NEVER] * len(never), "x", color=color)
         axes.axhline(1.0, color="grey", lw=0.8)
-        axes.set(title=scenario, ylabel="time to plain DiLoCo's loss / DiLoCo's", yscale="log")
+        axes.set_xticks(range(len(methods)), [m.replace("_", "\n") for m in methods], fontsize=6)
+        axes.set(title=scenario, ylabel="time to plain DiLoCo's loss / DiLoCo's (x: never)", yscale="log")
         axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(out / "multicloud.png", dpi=110)
