@@ -327,6 +327,7 @@ def _main_signalled(argv: list[str], signum: int) -> None:
 
     netlab_app.Lab = _SignalledLab
     netlab_app.check_can_build = lambda: None
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a job started with & ignores it)
     sys.argv = argv
     netlab_app.main()
 
