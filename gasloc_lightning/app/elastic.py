@@ -447,7 +447,7 @@ class ElasticRun:
         pending = list(self.events)
         waiting: list[ChaosEvent] = []  # restarts of workers still leaving
         while True:
-            step = self._furthest_step()
+            step = self.furthest_step()
             while pending and step >= pending[0].step:
                 event = pending.pop(0)
                 if not self._fire(event, step, pending):
@@ -472,7 +472,8 @@ class ElasticRun:
                 raise RuntimeError(f"the lighthouse exited with code {self.lighthouse.returncode}")
             time.sleep(_POLL_S)
 
-    def _furthest_step(self) -> int:
+    def furthest_step(self) -> int:
+        """The furthest training step any running worker has reported."""
         steps = [record.progress().get("step") or 0 for record in self.workers if record.running]
         return max(steps, default=0)
 
@@ -804,18 +805,17 @@ def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = 
         _print_resume(summary, run.run_dir)
         raise ElasticInterrupted(signum, f"gasloc-elastic: interrupted by {signal.Signals(signum).name}; the workers "
                                          f"left (resume with elastic.resume=true output_dir={run.run_dir})")
-    _raise_if_failed(run, summary)
+    raise_if_failed(run, summary)
     return summary
 
 
-def _raise_if_failed(run: ElasticRun, summary: dict[str, Any]) -> None:
+def raise_if_failed(run: ElasticRun, summary: dict[str, Any], prefix: str = "gasloc-elastic: ") -> None:
     """A worker that failed or was refused fails the run, with each one's error (one that left, was killed by chaos
-    or was stopped by the launcher does not)."""
+    or was stopped by the launcher does not); ``prefix`` starts the message."""
     failed = [row["worker"] for row in summary["workers"] if row["status"] in ("failed", "refused")]
     if failed:
         errors = "; ".join(f"worker {worker}: {run.workers[worker].final.get('error')}" for worker in failed)
-        raise RuntimeError(f"gasloc-elastic: worker(s) {failed} failed ({errors}); see their worker.log under "
-                           f"{run.run_dir}")
+        raise RuntimeError(f"{prefix}worker(s) {failed} failed ({errors}); see their worker.log under {run.run_dir}")
 
 
 def _print_resume(summary: dict[str, Any], run_dir: Path) -> None:

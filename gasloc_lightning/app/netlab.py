@@ -47,7 +47,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import NetlabSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic import (ELASTIC_SUMMARY_FILE, ElasticAppSchema, ElasticInterrupted, ElasticRun,
-                                          check_elastic, print_table)
+                                          check_elastic, print_table, raise_if_failed)
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.netlab import (Fault, FaultSchedule, Lab, LabError, LabPlan, check_can_build, parse_faults,
                                      plan_lab)
@@ -221,7 +221,7 @@ def _elastic_config(cfg: DictConfig, plan: LabPlan) -> DictConfig:
 
 def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fault]) -> dict[str, Any]:
     schedule = FaultSchedule(faults, lab, flap_period_s=cfg.netlab.flap_period_s)
-    run = ElasticRun(elastic_cfg, on_poll=lambda run: schedule.poll(_furthest_step(run)),
+    run = ElasticRun(elastic_cfg, on_poll=lambda run: schedule.poll(run.furthest_step()),
                      placement=SitePlacement(lab))
     signum, summary = run_in_lab(run, schedule)
     print_table(summary)
@@ -229,7 +229,7 @@ def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fa
         _print_resume(summary, run.run_dir, schedule.unfired)
         raise ElasticInterrupted(signum, f"gasloc-netlab: interrupted by {signal.Signals(signum).name}; the "
                                          "workers left (resume with the gasloc-netlab command above)")
-    _raise_if_failed(run, summary)
+    raise_if_failed(run, summary, prefix="")  # main() says gasloc-netlab
     finished = [row for row in summary["workers"] if row["status"] == "finished"]
     checksums = sorted({row["model_checksum"] for row in finished})
     print(f"netlab: {len(finished)} of {len(summary['workers'])} workers finished at steps "
@@ -278,18 +278,6 @@ def _leave(run: ElasticRun) -> None:
         run.leave()
     except (KeyboardInterrupt, _Signalled):
         print("a second signal: stopping the workers now", flush=True)
-
-
-def _furthest_step(run: ElasticRun) -> int:
-    return max((record.progress().get("step") or 0 for record in run.workers if record.running), default=0)
-
-
-def _raise_if_failed(run: ElasticRun, summary: dict[str, Any]) -> None:
-    """A worker that failed or was refused fails the run, with its error (as gasloc-elastic's does)."""
-    failed = [row["worker"] for row in summary["workers"] if row["status"] in ("failed", "refused")]
-    if failed:
-        errors = "; ".join(f"worker {worker}: {run.workers[worker].final.get('error')}" for worker in failed)
-        raise RuntimeError(f"worker(s) {failed} failed ({errors}); see their worker.log under {run.run_dir}")
 
 
 def _print_resume(summary: dict[str, Any], run_dir: Path, unfired: list[Fault]) -> None:

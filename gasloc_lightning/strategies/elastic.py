@@ -462,9 +462,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         if not self._quorum_due or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return
         if self._leave_requested_at is not None:  # SIGTERM after the round's commit: nothing left to finish
-            self._leave()
-            if boundary == _TRAIN:
-                raise StopIteration  # ends Lightning's epoch before this batch trains (the fit then stops)
+            self._leave_at(boundary)
             return
         self._quorum_due = False
         self._boundary = boundary
@@ -481,9 +479,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             # asked, with its checkpoint.
             log.warning("no quorum after SIGTERM worker=%s: leaving after round %d (%s)", self.membership.name,
                         self.round_index, error)
-            self._leave()
-            if boundary == _TRAIN:
-                raise StopIteration from None
+            self._leave_at(boundary)
             return
         if quorum.healed:  # a worker that stalled and came back
             self._follow_peer(boundary)
@@ -641,6 +637,12 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             return
         raise ElasticLeave(f"SIGTERM {self._leave_grace_s:g}s ago (leave_grace_s) and round {self.round_index} has "
                            "not ended: this worker abandons it (its peers count a failed exchange)")
+
+    def _leave_at(self, boundary: str) -> None:
+        """Leave at ``boundary``, after a committed round; at a training step, before that step's batch trains."""
+        self._leave()
+        if boundary == _TRAIN:
+            raise StopIteration  # ends Lightning's epoch before this batch trains (the fit then stops)
 
     def _leave(self) -> None:
         """Right after a committed round: stop heartbeating and stop the fit; this worker keeps its own replica."""
