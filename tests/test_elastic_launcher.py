@@ -362,3 +362,37 @@ def test_elastic_diloco_end_to_end(tmp_path, cache_dir):
     checksums = {row["model_checksum"] for row in rows.values()}
     assert len(checksums) == 1 and None not in checksums, checksums
     _assert_nothing_left(summary["pids"], tmp_path)
+
+
+def _stand_in(output_dir: Path, progress: dict, wait_for: Path | None = None) -> subprocess.Popen:
+    """A process in a worker's place: it waits for ``wait_for`` (a held spare's release), writes ``progress`` and
+    exits 0."""
+    script = ("import json, os, pathlib, sys, time\n"
+              "release = sys.argv[2]\n"
+              "while release and not os.path.exists(release): time.sleep(0.02)\n"
+              "pathlib.Path(sys.argv[1], 'progress.json').write_text(sys.argv[3])\n")
+    return subprocess.Popen([sys.executable, "-c", script, str(output_dir), str(wait_for or ""), json.dumps(progress)])
+
+
+def test_a_restart_after_the_leaver_exited_but_before_it_was_reaped_still_counts_that_incarnation(tmp_path):
+    """Seen in CI: the restart of a worker that had just left fired in the poll between its exit and its reaping;
+    the spare replaced it and the left incarnation vanished from the record (its joined and left steps)."""
+    cfg = _compose(["elastic.workers=1", "elastic.min_workers=1", "elastic.lighthouse=127.0.0.1:1"])
+    cfg.output_dir = str(tmp_path)
+    run = ElasticRun(cfg)
+    run.events = [ChaosEvent("restart", 0, 0)]
+    record = run._write_worker_config(0)
+    run.workers = [record]
+    left = _stand_in(record.output_dir, {"state": "left", "step": 10, "first_step": 0, "applied": 10})
+    left.wait(timeout=60)
+    run._start_incarnation(record, left)  # it has exited, and no poll has seen it yet
+    release = record.output_dir / "release.test"
+    record.spare, record.spare_release = _stand_in(
+        record.output_dir, {"state": "done", "step": 20, "first_step": 12, "applied": 8}, wait_for=release), release
+    try:
+        run.watch()
+    finally:
+        run.stop()
+    row = run.summary()["workers"][0]
+    assert row["incarnations"] == 2
+    assert (row["joined"], row["left"], row["applied_steps"]) == ([0, 12], [10, 20], 18)

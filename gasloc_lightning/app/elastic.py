@@ -501,6 +501,7 @@ class ElasticRun:
         if record.running:
             print(f"  worker {record.worker} is still running: restart skipped", flush=True)
             return
+        self._reap_one(record)  # it may have exited since the last poll: account for it before its spare replaces it
         if record.spare is not None:
             self._release_spare(record)
         else:
