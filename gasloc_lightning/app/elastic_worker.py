@@ -180,7 +180,7 @@ def _ended(output_dir: str, progress: ElasticProgress, state: str, code: int, er
 def save_leave_checkpoint(trainer: pl.Trainer, output_dir: str) -> str:
     """This worker's own replica and state after a clean leave (a per-rank checkpoint ``ckpt_path`` resumes)."""
     path = Path(output_dir) / LEAVE_CHECKPOINT
-    trainer.save_checkpoint(path)
+    trainer.save_checkpoint(path, weights_only=False)  # the whole state: optimizer, loops, callbacks
     log.info("saved the leave checkpoint path=%s step=%d", path, trainer.global_step)
     return str(path)
 

@@ -29,6 +29,7 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import socket
@@ -46,6 +47,7 @@ from gasloc_lightning.comm.endpoints import Endpoint
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs ~10 INFO lines per round otherwise
 
 log = logging.getLogger(__name__)
+_QUORUM_DRAIN_S = 5.0  # how long shutdown waits for a quorum in flight on torchft's thread
 
 StateDictFn = Callable[[], dict[str, Any]]
 LoadStateDictFn = Callable[[dict[str, Any]], None]
@@ -289,6 +291,12 @@ class ElasticMembership:
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.shutdown(wait=False)  # the state transport, the manager server, the quorum thread
+            # A quorum asked for before the leave may still be in flight on torchft's quorum thread; if it came
+            # back now, it would configure the gloo group below after it is released. Its manager server is gone,
+            # so it ends at once; the bound only guards against a torchft that blocks anyway.
+            in_flight = getattr(manager, "_quorum_future", None)
+            if in_flight is not None:
+                concurrent.futures.wait([in_flight], timeout=_QUORUM_DRAIN_S)
         if self._transport is not None:
             self._transport.shutdown(wait=True)  # torchft 0.2.0's shutdown(wait=False) leaves a server running
             self._transport = None
