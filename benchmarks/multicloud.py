@@ -15,11 +15,18 @@ For each scenario (a network preset scaled to n workers) and each method, on equ
   DiLoCo's validation loss at ``steps`` on the same seed; a method's time is the simulated time of its
   first validation at or below the target, reported as a ratio to plain DiLoCo's time (< 1: faster;
   None: never reached). Goodput (useful compute / wall time) comes from the simulator.
+- **One run, several clocks.** Where a scenario changes only the clock (two_clusters, cloud_mix, many_sites,
+  jitter), each configuration and seed runs once, timed on every such scenario (``sim.also_networks``);
+  preemption (churn) and the bandwidth-aware schedule (drawn from the clusters) run per scenario. Under
+  preemption GASLoC's overlapped forms run without overlap (the simulator refuses overlap with churn).
+- **Large n.** ``--tuned-from 64`` skips the tuning and runs the held-out seeds with the configurations
+  chosen at 64 workers (the tables say so).
 
 Usage::
 
     python benchmarks/multicloud.py --workers 8 --out docs/multicloud
     python benchmarks/multicloud.py --workers 64 --scenarios two_clusters jitter --out docs/multicloud
+    python benchmarks/multicloud.py --workers 256 --tuned-from 64 --out docs/multicloud
     python benchmarks/multicloud.py --plot --out docs/multicloud     # the figure from the JSON files there
     python benchmarks/multicloud.py --markdown --out docs/multicloud # their tables, as in docs/multicloud.md
 
@@ -75,6 +82,10 @@ METHODS = {
 }
 
 
+CLOCK_ONLY = ("two_clusters", "cloud_mix", "many_sites", "jitter")  # the network changes only the clock there
+CLUSTER_SHAPED = ("gasloc_bw_spread",)  # its schedule is drawn from the scenario's clusters: one run per scenario
+
+
 def scenario_overrides(scenario: str) -> list[str]:
     """The ``network=`` preset; every preset scales itself to ``sim.workers`` (clusters and sites in proportion)."""
     if scenario not in SCENARIOS:
@@ -82,21 +93,53 @@ def scenario_overrides(scenario: str) -> list[str]:
     return [f"network={scenario}"]
 
 
-class Scenario:
-    """One scenario at n workers: tune every method on the tuning seed, then run the held-out seeds."""
+class SharedRuns:
+    """Runs ``gasloc-sim`` once per method, grid point and seed for all the scenarios of ``together`` (those
+    where only the clock depends on the network): the first scenario is the run's ``network=``, the others are
+    timed alongside (``sim.also_networks``), which gives the same times as running there (tested). Churn
+    (preemption) and the cluster-shaped schedule change the training: they run per scenario."""
 
-    def __init__(self, name: str, workers: int, steps: int, inner_steps: int, folder: Path):
-        self.name, self.folder, self.inner_steps = name, folder, inner_steps
+    def __init__(self, together: tuple[str, ...], folder: Path) -> None:
+        self.together, self.folder = together, folder
+        self._runs: dict[tuple[str, ...], dict] = {}
+
+    def shares(self, scenario: str, method: str) -> bool:
+        return scenario in self.together and len(self.together) > 1 and method not in CLUSTER_SHAPED
+
+    def run(self, scenario: str, method: str, overrides: list[str], name: str) -> dict:
+        """``overrides`` without the network: this scenario's run (its ``trace`` on this scenario's clock)."""
+        if not self.shares(scenario, method):
+            return run_sim([*overrides, *scenario_overrides(scenario)], self.folder / slug(f"{scenario}_{name}"))
+        key = tuple(overrides)
+        if key not in self._runs:
+            first, *others = self.together
+            also = f"sim.also_networks=[{','.join(others)}]"
+            self._runs[key] = run_sim([*overrides, *scenario_overrides(first), also],
+                                      self.folder / slug(f"shared_{name}"))
+        run = self._runs[key]
+        trace = run["trace"] if scenario == self.together[0] else run["also_traces"][scenario]
+        return {**run, "trace": trace}
+
+
+class Scenario:
+    """One scenario at n workers: tune every method on the tuning seed, then run the held-out seeds.
+
+    Under churn (preemption) the simulator refuses overlap for gossip (a leaving worker's correction in flight
+    would have no owner): GASLoC's overlapped forms run without it there."""
+
+    def __init__(self, name: str, workers: int, steps: int, inner_steps: int, runs: SharedRuns):
+        self.name, self.runs, self.inner_steps = name, runs, inner_steps
         self.steps = 3 * steps // 2
         self.target_step = steps
         self.base = [f"sim.workers={workers}", f"trainer.max_steps={self.steps}",
-                     f"trainer.val_check_interval={inner_steps}", *scenario_overrides(name)]
+                     f"trainer.val_check_interval={inner_steps}"]
 
     def run(self, method: str, overrides: tuple[str, ...], seed: int, label: str) -> dict:
         spec = METHODS[method]
         inner_steps = f"inner_steps={spec.inner_steps or self.inner_steps}"
-        return run_sim([*self.base, inner_steps, *spec.overrides, *overrides, f"seed={seed}"],
-                       self.folder / slug(f"{method}_{label}_seed{seed}"))
+        fixed = [o for o in spec.overrides if not (self.name == "preemption" and o == "overlap=true")]
+        return self.runs.run(self.name, method, [*self.base, inner_steps, *fixed, *overrides, f"seed={seed}"],
+                             f"{method}_{label}_seed{seed}")
 
     def target(self, diloco_run: dict) -> tuple[float, float]:
         """Plain DiLoCo's (loss, simulated time) at the target step: what every method must reach."""
@@ -156,21 +199,31 @@ def _summary(per_seed: list[dict]) -> dict:
             "val_loss_mean": statistics.mean(s["val_loss"] for s in per_seed)}
 
 
+def tuned_at(out: Path, workers: int, scenario: str) -> dict[str, dict]:
+    """The configurations chosen at another n (``--tuned-from``) for ``scenario``: what runs at this n."""
+    path = out / f"multicloud_n{workers}.json"
+    if not path.is_file() or scenario not in json.loads(path.read_text())["scenarios"]:
+        raise FileNotFoundError(f"--tuned-from {workers}: {path} has no {scenario} (run it at n = {workers} first)")
+    return json.loads(path.read_text())["scenarios"][scenario]["tuning"]
+
+
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
-        seeds: tuple[int, ...], out: Path) -> None:
+        seeds: tuple[int, ...], out: Path, tuned_from: int | None = None) -> None:
     path = out / f"multicloud_n{workers}.json"
     record = json.loads(path.read_text()) if path.is_file() else {"workers": workers, "scenarios": {}}
-    for name in scenarios:
-        print(f"{name} at n = {workers}", flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            scenario = Scenario(name, workers, steps, inner_steps, Path(tmp))
-            chosen = scenario.tune(tuning_seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = SharedRuns(tuple(name for name in scenarios if name in CLOCK_ONLY), Path(tmp))
+        for name in scenarios:
+            print(f"{name} at n = {workers}", flush=True)
+            scenario = Scenario(name, workers, steps, inner_steps, runs)
+            chosen = scenario.tune(tuning_seed) if tuned_from is None else tuned_at(out, tuned_from, name)
             results = scenario.held_out(chosen, seeds)
-        record["scenarios"][name] = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps,
-                                     "tuning_seed": tuning_seed, "held_out_seeds": list(seeds),
-                                     "tuning": chosen, "results": results}
-        _print_table(name, results)
-        path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # after every scenario
+            record["scenarios"][name] = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps,
+                                         "tuning_seed": tuning_seed, "held_out_seeds": list(seeds),
+                                         "tuned_at_workers": tuned_from or workers, "tuning": chosen,
+                                         "results": results}
+            _print_table(name, results)
+            path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # after every scenario
 
 
 def _print_table(name: str, results: dict[str, dict]) -> None:
@@ -196,9 +249,11 @@ def markdown(out: Path) -> str:
     for record in _records(out):
         for name, scenario in record["scenarios"].items():
             seeds = ", ".join(map(str, scenario["held_out_seeds"]))
+            tuned_at = scenario.get("tuned_at_workers", record["workers"])
+            where = "" if tuned_at == record["workers"] else f" at n = {tuned_at} (not retuned here)"
             lines += [f"### {name}, n = {record['workers']}", "",
                       f"{scenario['steps']} steps, H = {scenario['inner_steps']}, target: plain DiLoCo's loss at step "
-                      f"{scenario['target_step']}; tuned on seed {scenario['tuning_seed']}, held-out seeds {seeds}.",
+                      f"{scenario['target_step']}; tuned on seed {scenario['tuning_seed']}{where}, held-out seeds {seeds}.",
                       "", "| method | time / DiLoCo (mean) | per seed | goodput | final val loss | tuned |",
                       "|---|---|---|---|---|---|"]
             for method, result in scenario["results"].items():
@@ -252,6 +307,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tuning-seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="held-out seeds, reported")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/multicloud"))
+    parser.add_argument("--tuned-from", type=int, default=None, metavar="N",
+                        help="no tuning: run the held-out seeds with the configurations chosen at N workers "
+                             "(from multicloud_n<N>.json in --out); for sizes where tuning is too costly")
     parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
     parser.add_argument("--markdown", action="store_true", help="only print the tables of the JSON files in --out")
     args = parser.parse_args(argv)
@@ -264,8 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot:
-        run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed, tuple(args.seeds),
-            args.out)
+        run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
+                      tuple(args.seeds), args.out, args.tuned_from)
     plot(args.out)
 
 

@@ -30,18 +30,21 @@ def run_sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
         lines = [line for line in result.stdout.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
         raise SimRunError(f"gasloc-sim exited {result.returncode}: {' '.join(command)}\n" + "\n".join(lines[-15:]))
     record = json.loads((out / "summary.json").read_text())
+    also = record["sim"].get("sim_time_max_also") or {}
     return {"overrides": overrides, "val_loss": record["final"]["val_loss"], "goodput": record["sim"]["goodput"],
             "wall_time_s": record["wall_time_s"], "bytes_sent": record["bytes_sent"],
-            "outer_momentum": record["strategy"].get("outer_momentum"), "trace": validation_trace(out, record)}
+            "outer_momentum": record["strategy"].get("outer_momentum"), "trace": validation_trace(out, record),
+            "also_traces": {name: validation_trace(out, record, f"val/sim_time/{name}") for name in also}}
 
 
-def validation_trace(out: Path, record: dict) -> Trace:
-    """(step, val/loss, sim_time or None) of every validation of a finished sim run."""
+def validation_trace(out: Path, record: dict, clock: str = "val/sim_time") -> Trace:
+    """(step, val/loss, simulated time or None) of every validation of a finished sim run; ``clock``: the
+    column of the time (``val/sim_time/<preset>``: on a network of ``sim.also_networks``)."""
     points = []
     with open(out / record["metrics_csv"], newline="") as handle:
         for row in csv.DictReader(handle):
             if row.get("val/loss"):
-                sim_time = float(row["val/sim_time"]) if row.get("val/sim_time") else None
+                sim_time = float(row[clock]) if row.get(clock) else None
                 points.append((int(row["step"]) + 1, float(row["val/loss"]), sim_time))
     return points
 

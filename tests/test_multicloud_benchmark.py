@@ -79,3 +79,46 @@ def test_tuning_on_seed_0_and_ratios_on_the_held_out_seeds(tmp_path, monkeypatch
 def test_the_tuning_seed_cannot_be_a_held_out_seed(tmp_path):
     with pytest.raises(SystemExit):
         mc.main(["--seeds", "0", "1", "--out", str(tmp_path)])
+
+
+def test_scenarios_that_differ_only_by_the_clock_share_one_run_per_configuration(tmp_path, monkeypatch):
+    """two_clusters and jitter: each configuration runs once, timed on both networks (sim.also_networks); only the
+    cluster-shaped schedule runs per scenario. Each scenario's ratios come from its own clock."""
+    speed = {"network=two_clusters": 1.0, "jitter": 0.25}  # seconds per step of DiLoCo on each network
+    calls = []
+
+    def run(overrides: list[str], out: Path) -> dict:
+        calls.append(overrides)
+        run = _stand_in_run(overrides, out)
+        primary = speed["network=two_clusters"] if "network=two_clusters" in overrides else speed["jitter"]
+        also = [o for o in overrides if o.startswith("sim.also_networks=")]
+        scaled = lambda factor: [(step, loss, time * factor) for step, loss, time in run["trace"]]  # noqa: E731
+        return {**run, "trace": scaled(primary), "also_traces": {"jitter": scaled(speed["jitter"])} if also else {}}
+
+    monkeypatch.setattr(mc, "run_sim", run)
+    mc.main(["--workers", "4", "--scenarios", "two_clusters", "jitter", "--steps", "40", "--out", str(tmp_path)])
+    assert all("network=jitter" not in call for call in calls if "topology=bandwidth_aware" not in call)
+    shared = [call for call in calls if "sim.also_networks=[jitter]" in call]
+    assert shared and len(shared) == len({tuple(call) for call in shared})  # each configuration once
+    assert len([c for c in calls if "topology=bandwidth_aware" in c and "network=jitter" in c]) == 1  # its own
+    record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]
+    for name in ("two_clusters", "jitter"):
+        assert record[name]["results"]["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5])
+        targets = [s["diloco_time"] for s in record[name]["results"]["diloco"]["seeds"].values()]
+        assert targets == pytest.approx([40 * speed["network=two_clusters" if name == "two_clusters" else name]] * 2)
+
+
+def test_a_size_can_reuse_the_configurations_tuned_at_another(tmp_path, monkeypatch):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(["--workers", "4", "--scenarios", "preemption", "--steps", "40", "--out", str(tmp_path)])
+    calls = []
+    monkeypatch.setattr(mc, "run_sim", lambda overrides, out: calls.append(overrides) or _stand_in_run(overrides, out))
+    mc.main(["--workers", "6", "--scenarios", "preemption", "--steps", "40", "--tuned-from", "4", "--out", str(tmp_path)])
+    assert not any("seed=0" in call for call in calls)  # no tuning at 6
+    tuned = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["preemption"]["tuning"]
+    at6 = json.loads((tmp_path / "multicloud_n6.json").read_text())["scenarios"]["preemption"]
+    assert at6["tuning"] == tuned and at6["tuned_at_workers"] == 4
+    assert all("overlap=true" not in call for call in calls if "strategy=gasloc" in call)  # churn: no overlap
+    with pytest.raises(FileNotFoundError, match="run it at n = 5 first"):
+        mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "5", "--out",
+                 str(tmp_path)])

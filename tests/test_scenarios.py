@@ -3,6 +3,7 @@ the run. Each preset composes for both apps at the run's worker count, and runs 
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -176,3 +177,40 @@ def test_bandwidth_aware_on_a_network_without_clusters_says_what_to_give(preset,
     with pytest.raises(Exception, match="bandwidth_aware needs clusters: give topology.sizes") as caught:
         instantiate(cfg.topology, _convert_="all")
     assert "network=two_clusters" in str(caught.value)
+
+
+# ---------------------------------------------------------------------- one run timed on several networks
+def _val_times(out: Path, record: dict, column: str) -> list[float]:
+    with open(out / record["metrics_csv"], newline="") as handle:
+        return [float(row[column]) for row in csv.DictReader(handle) if row.get("val/loss")]
+
+
+@pytest.mark.parametrize("method", [
+    ["strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.message_codec=int8"],
+    ["strategy=diloco", "strategy.fragments=2", "strategy.overlap=true", "strategy.message_codec=int4"],
+], ids=["gasloc_overlap_int8", "streaming_diloco"])
+def test_a_run_timed_alongside_on_other_networks_gives_each_networks_own_clock(method, corpus, tmp_path):
+    """sim.also_networks: the validations of one run carry the simulated time it would take on each preset, the
+    same times as running it there (the training does not depend on these networks)."""
+    steps = ["trainer.max_steps=8", "trainer.val_check_interval=4", "inner_steps=2"]
+    alongside = _sim(corpus, tmp_path / "alongside",
+                     [*steps, *method, "network=two_clusters", "sim.also_networks=[jitter,many_sites]"])
+    assert set(alongside["sim"]["sim_time_max_also"]) == {"jitter", "many_sites"}
+    for preset in ("jitter", "many_sites"):
+        alone = _sim(corpus, tmp_path / preset, [*steps, *method, f"network={preset}"])
+        assert alone["final"]["val_loss"] == alongside["final"]["val_loss"]
+        times = _val_times(tmp_path / preset / "out", alone, "val/sim_time")
+        assert len(times) == 2 and times == _val_times(tmp_path / "alongside" / "out", alongside,
+                                                       f"val/sim_time/{preset}")
+        assert alone["sim"]["sim_time_max"] == alongside["sim"]["sim_time_max_also"][preset]
+    assert len({alongside["sim"]["sim_time_max"], *alongside["sim"]["sim_time_max_also"].values()}) == 3
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["network=two_clusters", "sim.also_networks=[preemption]"], "preemption has preemption; its churn would change"),
+    (["sim.also_networks=[jitter]"], r"give the run's network too \(network=...\)"),
+    (["network=two_clusters", "sim.also_networks=[nowhere]"], r"no network preset 'nowhere' \(available: \["),
+])
+def test_networks_that_cannot_be_timed_alongside_are_refused(overrides, message, corpus, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        _sim(corpus, tmp_path, overrides)

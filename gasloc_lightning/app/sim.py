@@ -18,6 +18,7 @@ quorum) is refused before any step.
 
 from __future__ import annotations
 
+import copy
 import csv
 import functools
 import json
@@ -30,7 +31,7 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.algorithm.fragments import resolve_points
 from gasloc_lightning.algorithm.streaming import fragment_bounds
@@ -62,6 +63,10 @@ class SimSchema:
     A network with preemption (network=preemption) gives the churn schedule instead of down_fraction.
     live_by_round: a recorded membership to replay, the live worker ids of every round (for instance the quorums
     of a gasloc-elastic run); replaces down_fraction. Rounds past the list keep its last live set.
+    also_networks: other ``network=`` presets on which the same run is timed (``sim.also_networks=[jitter,
+    many_sites]``): each validation also records ``val/sim_time/<preset>``. The training is the run's own (its
+    ``network=`` gives the topology's clusters and H_i): one run answers "how long on each of these"; a preset
+    with preemption is refused there (its churn would change the training).
     """
 
     workers: int = 4
@@ -76,6 +81,7 @@ class SimSchema:
     device: str = "cpu"
     shared_validation: bool = False
     live_by_round: Optional[List[List[int]]] = None
+    also_networks: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -144,6 +150,33 @@ def _network(cfg: DictConfig, workers: int) -> Any:
     return network
 
 
+def _also_networks(cfg: DictConfig, network: Any, workers: int) -> dict[str, Any]:
+    """The presets of ``sim.also_networks``, built for this run's size and checked: the same run is timed on
+    each. A preset is read from ``conf/network/`` and resolved against this run's config (its size)."""
+    names = list(cfg.sim.get("also_networks") or [])
+    if not names:
+        return {}
+    if network is None:
+        raise ValueError(f"sim.also_networks={names} times the run on other networks alongside its own: give the "
+                         "run's network too (network=...)")
+    presets = config_dir() / "network"
+    available = sorted(path.stem for path in presets.glob("*.yaml"))
+    root = copy.deepcopy(cfg)  # the presets' interpolations (sim.workers, seed) resolve against this run
+    OmegaConf.set_struct(root, False)
+    built = {}
+    for name in names:
+        if name not in available:
+            raise ValueError(f"sim.also_networks: no network preset {name!r} (available: {available})")
+        root["_also_network"] = OmegaConf.load(presets / f"{name}.yaml")
+        model = hydra.utils.instantiate(root["_also_network"], _convert_="all")
+        model.check_world_size(workers)
+        if model.preemption is not None:
+            raise ValueError(f"sim.also_networks: {name} has preemption; its churn would change the training, so "
+                             f"it cannot be timed alongside another network's run: run it as network={name}")
+        built[name] = model
+    return built
+
+
 def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulator, dict[str, Any]]:
     """Check everything, then build the simulator of a composed config; returns it and the run record's parts.
 
@@ -159,6 +192,7 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     if cfg.strategy.get("ranks_per_worker", 1) != 1:
         raise ValueError("strategy.ranks_per_worker > 1 (DDP inside a worker) is not simulated; use 1")
     network = _network(cfg, workers)
+    also = _also_networks(cfg, network, workers)
     device = _device(cfg.sim.device)
     per_worker = _inner_steps(cfg, network, workers)
     inner_steps = max(per_worker)  # a round lasts max_i H_i loop steps
@@ -200,7 +234,7 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     else:
         replicas = CohortReplicas(module=model.model, inner_steps=per_worker, optimizer_factory=optimizer,
                                   lr_schedule=schedule, gradient_clip_val=clip)
-    clocks = WorkerClocks(network, workers)
+    clocks = WorkerClocks(network, workers, also=also)
     if kind == "gasloc":
         rounds: Any = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
                                    outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
@@ -316,7 +350,8 @@ def _record(cfg: DictConfig, simulator: Simulator, parts: dict[str, Any], result
         "sim": {"workers": workers, "goodput": result["goodput"], "estimated_bytes": parts["estimated_bytes"],
                 "down_fraction": cfg.sim.down_fraction if parts["churn"] is None else parts["churn"].down_fraction,
                 "joins": result["joins"], "device": str(cfg.sim.device), "worker_steps_per_s": workers * steps / result["wall_time_s"],
-                "sim_time_max": max(simulator.clocks.times()) if simulator.clocks.enabled else None},
+                "sim_time_max": max(simulator.clocks.times()) if simulator.clocks.enabled else None,
+                "sim_time_max_also": {name: max(times) for name, times in simulator.clocks.times_also().items()}},
     }
 
 

@@ -246,6 +246,8 @@ class Simulator:
         if self.clocks.enabled:  # the consensus needs every live worker's round: the latest clock
             times = self.clocks.times()
             row["val/sim_time"] = max(times[i] for i in self._live)
+            for name, times in self.clocks.times_also().items():  # the same run timed on other networks
+                row[f"val/sim_time/{name}"] = max(times[i] for i in self._live)
         self._metrics(self.step - 1, row)
         log.info("validation step=%d val_loss=%.4f", self.step, loss)
         return row

@@ -10,7 +10,7 @@ advances it (post with the own clock, complete with the peers' clocks at post an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -23,41 +23,30 @@ from gasloc_lightning.network import NetworkModel, SimulatedClock
 from gasloc_lightning.topology import Topology
 
 
-class WorkerClocks:
-    """One :class:`SimulatedClock` per worker (none without a network model)."""
+class _NetworkClocks:
+    """One :class:`SimulatedClock` per worker under one network model."""
 
-    def __init__(self, network: NetworkModel | None, workers: int) -> None:
+    def __init__(self, network: NetworkModel, workers: int) -> None:
         self.network = network
         # "elastic": the simulator's churn honours the network's preemption (a static strategy's clock refuses it)
-        self.clocks = [] if network is None else [SimulatedClock(network, rank=i, membership="elastic")
-                                                  for i in range(workers)]
+        self.clocks = [SimulatedClock(network, rank=i, membership="elastic") for i in range(workers)]
         self._posted: dict[int, float] = {}
         self._pending: tuple[dict[int, dict[int, float]], list[tuple[int, int]], int] | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.clocks)
 
     def times(self) -> list[float]:
         return [clock.time for clock in self.clocks]
 
     def advance_compute(self, workers: Sequence[int]) -> None:
-        if not self.enabled:
-            return
         for i in workers:
             self.clocks[i].advance_compute(1)
 
     def post(self, live: Sequence[int], peers: dict[int, dict[int, float]], pairs: list[tuple[int, int]],
-             nbytes: int) -> None:
-        """Every live worker posts its exchange now (its clock goes with the payload)."""
-        if not self.enabled:
-            return
+             element_size: float) -> None:
         self._posted = {i: self.clocks[i].post_exchange() for i in live}
-        self._pending = (peers, pairs, nbytes)
+        self._pending = (peers, pairs, self.network.message_bytes(element_size=element_size))
 
     def complete(self) -> None:
-        """Finish the posted exchanges: each worker waits for its peers' clocks at post plus the transfer."""
-        if not self.enabled or self._pending is None:
+        if self._pending is None:
             return
         peers, pairs, nbytes = self._pending
         for i in self._posted:
@@ -65,37 +54,105 @@ class WorkerClocks:
             self.clocks[i].complete_exchange(peer_clocks=peer_clocks, pairs=pairs, nbytes=nbytes)
         self._pending = None
 
-    def all_reduce(self, live: Sequence[int], element_size: float | None = None) -> None:
-        """An all-reduce over the live workers; ``element_size``: bytes per element on the wire (quantized)."""
-        if not self.enabled:
-            return
+    def all_reduce(self, live: Sequence[int], element_size: float | None) -> None:
         latest = max(self.clocks[i].time for i in live)
         nbytes = None if element_size is None else self.network.message_bytes(element_size=element_size)
         for i in live:
             self.clocks[i].all_reduce(max_clock=latest, nbytes=nbytes, ranks=live)  # the live ring only
 
     def all_reduce_posted(self, live: Sequence[int], element_size: float | None, fraction: float) -> float:
-        """An all-reduce of ``fraction`` of the model posted now by the live workers: the time it ends
-        (``element_size``: bytes per element when quantized; None: the network's)."""
-        if not self.enabled:
-            return 0.0
         latest = max(self.clocks[i].time for i in live)
         nbytes = self.network.message_bytes(element_size=element_size) * fraction
         return latest + self.network.all_reduce_time(nbytes, ranks=live)
 
     def wait_until(self, live: Sequence[int], end: float) -> None:
-        if self.enabled:
-            for i in live:
-                self.clocks[i].follow(end)
+        for i in live:
+            self.clocks[i].follow(end)
+
+    def join(self, worker: int, source: int, state_fraction: float) -> None:
+        nbytes = self.network.message_bytes() * state_fraction
+        transfer = self.network.pairwise_time(source, worker, nbytes) if source != worker else 0.0
+        self.clocks[worker].follow(self.clocks[source].time + transfer)
+
+
+class WorkerClocks:
+    """The workers' simulated clocks: one :class:`SimulatedClock` per worker under the run's network (none
+    without a network model) and, alongside, under every network of ``also``.
+
+    The networks of ``also`` time the same run on other networks: the training is the run's own, so this is
+    exact only where the network does not change the training (no preemption, no topology or H_i taken from
+    the network; ``gasloc-sim`` checks it for ``sim.also_networks``). One run then answers "how long on each of
+    these networks".
+
+    Args:
+        network: the run's network model, or None (no clock).
+        workers: n.
+        also: ``{name: network model}`` timed alongside (needs ``network``).
+    """
+
+    def __init__(self, network: NetworkModel | None, workers: int,
+                 also: Mapping[str, NetworkModel] | None = None) -> None:
+        also = dict(also or {})
+        if also and network is None:
+            raise ValueError(f"networks timed alongside ({sorted(also)}) need the run's own network (network=...)")
+        self.network = network
+        self._boards = [] if network is None else [_NetworkClocks(model, workers) for model in (network, *also.values())]
+        self.also_names = list(also)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._boards)
+
+    @property
+    def clocks(self) -> list[SimulatedClock]:
+        """Every worker's clock under the run's network."""
+        return self._boards[0].clocks if self.enabled else []
+
+    def times(self) -> list[float]:
+        """Every worker's simulated time under the run's network."""
+        return self._boards[0].times() if self.enabled else []
+
+    def times_also(self) -> dict[str, list[float]]:
+        """Every worker's simulated time under each network timed alongside."""
+        return {name: board.times() for name, board in zip(self.also_names, self._boards[1:])}
+
+    def advance_compute(self, workers: Sequence[int]) -> None:
+        for board in self._boards:
+            board.advance_compute(workers)
+
+    def post(self, live: Sequence[int], peers: dict[int, dict[int, float]], pairs: list[tuple[int, int]],
+             element_size: float) -> None:
+        """Every live worker posts its exchange now (its clock goes with the payload); ``element_size``: bytes
+        per modelled parameter on the wire."""
+        for board in self._boards:
+            board.post(live, peers, pairs, element_size)
+
+    def complete(self) -> None:
+        """Finish the posted exchanges: each worker waits for its peers' clocks at post plus the transfer."""
+        for board in self._boards:
+            board.complete()
+
+    def all_reduce(self, live: Sequence[int], element_size: float | None = None) -> None:
+        """An all-reduce over the live workers; ``element_size``: bytes per element on the wire (quantized)."""
+        for board in self._boards:
+            board.all_reduce(live, element_size)
+
+    def all_reduce_posted(self, live: Sequence[int], element_size: float | None, fraction: float) -> tuple[float, ...]:
+        """An all-reduce of ``fraction`` of the model posted now by the live workers: when it ends, under each
+        network (``element_size``: bytes per element when quantized; None: the network's). Give it back to
+        :meth:`wait_until`."""
+        return tuple(board.all_reduce_posted(live, element_size, fraction) for board in self._boards)
+
+    def wait_until(self, live: Sequence[int], end: tuple[float, ...]) -> None:
+        for board, at in zip(self._boards, end):
+            board.wait_until(live, at)
 
     def join(self, worker: int, source: int, state_fraction: float = 0.0) -> None:
         """A joining worker starts when its source peer's state has reached it: the source's time plus the
         transfer of ``state_fraction`` modelled models (float32) over their link; the source goes on (it serves
         the state in the background, as torchft's transport does)."""
-        if self.enabled:
-            nbytes = self.network.message_bytes() * state_fraction
-            transfer = self.network.pairwise_time(source, worker, nbytes) if source != worker else 0.0
-            self.clocks[worker].follow(self.clocks[source].time + transfer)
+        for board in self._boards:
+            board.join(worker, source, state_fraction)
 
 
 def round_peers(topology: Topology, live: Sequence[int], round_index: int) -> dict[int, dict[int, float]]:
@@ -287,10 +344,7 @@ class GossipRounds:
         round_ = round_ or self.round
         for i in live:
             self.bytes_sent[i] += round_.wire_bytes * len(peers[i])
-        network = self.clocks.network
-        element_size = round_.bytes_per_element * share
-        wire_bytes = network.message_bytes(element_size=element_size) if network is not None else 0
-        self.clocks.post(live, peers, _pairs(peers), wire_bytes)
+        self.clocks.post(live, peers, _pairs(peers), round_.bytes_per_element * share)
 
     def _all_reduce(self, flat: Tensor, live: Sequence[int]) -> None:
         index = _index(live, flat)
