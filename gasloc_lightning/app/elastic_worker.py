@@ -145,12 +145,16 @@ def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str,
     output_dir = str(cfg.output_dir)
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     progress = ElasticProgress(output_dir)
-    write_progress(output_dir, {"pid": os.getpid(), "state": "starting", "time": time.time(), "step": 0,
-                                "applied": 0, "quorum_size": None})
+    starting = {"pid": os.getpid(), "state": "starting", "step": 0, "applied": 0, "quorum_size": None}
+    held = bool(os.environ.get(HOLD_FILE_ENV))  # a held spare: the running incarnation owns progress.json
+    if not held:
+        write_progress(output_dir, {**starting, "time": time.time()})
     try:
         trainer, model, datamodule = build(cfg)
         trainer.callbacks.append(progress)
         _wait_for_release()
+        if held:
+            write_progress(output_dir, {**starting, "time": time.time()})
         log.info("fit starts worker_dir=%s ckpt_path=%s", output_dir, cfg.get("ckpt_path"))
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     except ElasticLeave as leave:
