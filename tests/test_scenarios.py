@@ -209,6 +209,7 @@ def test_a_run_timed_alongside_on_other_networks_gives_each_networks_own_clock(m
 @pytest.mark.parametrize(("overrides", "message"), [
     (["network=two_clusters", "sim.also_networks=[preemption]"], "preemption has preemption; its churn would change"),
     (["sim.also_networks=[jitter]"], r"give the run's network too \(network=...\)"),
+    (["network=preemption", "sim.also_networks=[jitter]"], "this run's network has preemption"),
     (["network=two_clusters", "sim.also_networks=[nowhere]"], r"no network preset 'nowhere' \(available: \["),
 ])
 def test_networks_that_cannot_be_timed_alongside_are_refused(overrides, message, corpus, tmp_path):

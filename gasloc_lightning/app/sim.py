@@ -159,6 +159,9 @@ def _also_networks(cfg: DictConfig, network: Any, workers: int) -> dict[str, Any
     if network is None:
         raise ValueError(f"sim.also_networks={names} times the run on other networks alongside its own: give the "
                          "run's network too (network=...)")
+    if network.preemption is not None:
+        raise ValueError(f"sim.also_networks={names}: this run's network has preemption, and its churn would not "
+                         "happen on those networks: time them alongside a run without it")
     presets = config_dir() / "network"
     available = sorted(path.stem for path in presets.glob("*.yaml"))
     root = copy.deepcopy(cfg)  # the presets' interpolations (sim.workers, seed) resolve against this run
