@@ -217,6 +217,9 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
             print(f"{name} at n = {workers}", flush=True)
             scenario = Scenario(name, workers, steps, inner_steps, runs)
             chosen = scenario.tune(tuning_seed) if tuned_from is None else tuned_at(out, tuned_from, name)
+            missing = [method for method in METHODS if method not in chosen]
+            if missing:
+                raise ValueError(f"--tuned-from {tuned_from}: {name} there has no tuning for {missing} (rerun it)")
             results = scenario.held_out(chosen, seeds)
             record["scenarios"][name] = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps,
                                          "tuning_seed": tuning_seed, "held_out_seeds": list(seeds),

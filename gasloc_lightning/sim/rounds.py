@@ -410,7 +410,7 @@ class DiLoCoRounds:
         self.streaming = None if points is None else StreamingDiLoCoOuter(
             initial[0], bounds=bounds, outer_lr=outer_lr, outer_momentum=outer_momentum,
             fragment_update_alpha=fragment_update_alpha)
-        self._in_flight: dict[int, tuple[Tensor, list[int], float]] = {}
+        self._in_flight: dict[int, tuple[Tensor, list[int], tuple[float, ...]]] = {}
         self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
 
     @property
