@@ -202,9 +202,10 @@ def _summary(per_seed: list[dict]) -> dict:
 def tuned_at(out: Path, workers: int, scenario: str) -> dict[str, dict]:
     """The configurations chosen at another n (``--tuned-from``) for ``scenario``: what runs at this n."""
     path = out / f"multicloud_n{workers}.json"
-    if not path.is_file() or scenario not in json.loads(path.read_text())["scenarios"]:
+    scenarios = json.loads(path.read_text())["scenarios"] if path.is_file() else {}
+    if scenario not in scenarios:
         raise FileNotFoundError(f"--tuned-from {workers}: {path} has no {scenario} (run it at n = {workers} first)")
-    return json.loads(path.read_text())["scenarios"][scenario]["tuning"]
+    return scenarios[scenario]["tuning"]
 
 
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,

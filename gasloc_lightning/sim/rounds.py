@@ -95,7 +95,6 @@ class WorkerClocks:
         also = dict(also or {})
         if also and network is None:
             raise ValueError(f"networks timed alongside ({sorted(also)}) need the run's own network (network=...)")
-        self.network = network
         self._boards = [] if network is None else [_NetworkClocks(model, workers) for model in (network, *also.values())]
         self.also_names = list(also)
 
