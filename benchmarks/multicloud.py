@@ -168,7 +168,7 @@ class Scenario:
                 scores = {label: self.score(self.run(method, extra, seed, label), target)
                           for label, extra in grid.items()}
             except SimRunError as error:  # a method the scenario cannot run (it says why): reported, not fatal
-                chosen[method] = {"error": str(error).splitlines()[-1]}
+                chosen[method] = {"error": error.reason}
                 print(f"  {method}: cannot run here: {chosen[method]['error']}", flush=True)
                 continue
             label = min(scores, key=lambda k: (scores[k]["time_to_target"] or math.inf, scores[k]["val_loss"]))

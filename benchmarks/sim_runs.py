@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,16 @@ Trace = list[tuple[int, float, float | None]]
 
 class SimRunError(RuntimeError):
     """A ``gasloc-sim`` run exited non-zero; the message ends with its last lines of output."""
+
+    @property
+    def reason(self) -> str:
+        """The error the run raised, as one line (Hydra wraps it: its own last lines name only the config key)."""
+        lines = str(self).splitlines()
+        raised = [line for line in lines if _RAISED.match(line)]
+        return (raised or lines)[-1]
+
+
+_RAISED = re.compile(r"^\w*(Error|Exception)\b[(:]")  # ``ValueError: ...`` or ``TopologyError('...')``
 
 
 def run_sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
