@@ -1,6 +1,6 @@
 """Speed of ``gasloc-sim`` against the multi-process runs, side by side, as ratios.
 
-Two measurements (issue 13's targets):
+Three measurements, each with its target:
 
 1. At 8 workers: worker-steps per second of ``gasloc-train`` (8 processes) and of ``gasloc-sim``
    (one process) on the same config; target: the simulator at least 5x.

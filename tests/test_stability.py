@@ -289,7 +289,7 @@ def test_overlap_simulation_is_the_per_worker_update_and_keeps_the_mean(form):
 
 def test_overlap_false_is_unchanged():
     """Golden values of the overlap-free path: it must not move. The random schedules' values were
-    recomputed once when matchings moved to the torch.Generator stream (issue 11, item 9).
+    recomputed once when matchings moved to the torch.Generator stream (one draw per matching).
 
     To 1e-12 relative, not bit for bit: eigensolvers and matrix products round differently on
     different CPUs (the ring's rate moves in its last digit from one machine to another)."""

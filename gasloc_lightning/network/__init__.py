@@ -1,4 +1,4 @@
-"""Modelled network and compute, and a simulated clock per rank (issue 4, "uneven networks").
+"""Modelled network and compute, and a simulated clock per rank.
 
 The proxy model that trains on the CPU is tiny, so wall-clock time says nothing about a real
 run. :class:`NetworkModel` describes the run being modelled instead: per-link bandwidth and
