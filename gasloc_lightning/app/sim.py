@@ -143,8 +143,11 @@ def _topology(cfg: DictConfig) -> Any:
 
 def _network(cfg: DictConfig, workers: int) -> Any:
     node = cfg.strategy.get("network")
-    if node is None:
-        return None
+    return None if node is None else _build_network(node, workers)
+
+
+def _build_network(node: DictConfig, workers: int) -> Any:
+    """A ``network/`` preset's model, checked for this run's ``workers``."""
     network = hydra.utils.instantiate(node, _convert_="all")
     network.check_world_size(workers)
     return network
@@ -171,8 +174,7 @@ def _also_networks(cfg: DictConfig, network: Any, workers: int) -> dict[str, Any
         if name not in available:
             raise ValueError(f"sim.also_networks: no network preset {name!r} (available: {available})")
         root["_also_network"] = OmegaConf.load(presets / f"{name}.yaml")
-        model = hydra.utils.instantiate(root["_also_network"], _convert_="all")
-        model.check_world_size(workers)
+        model = _build_network(root["_also_network"], workers)
         if model.preemption is not None:
             raise ValueError(f"sim.also_networks: {name} has preemption; its churn would change the training, so "
                              f"it cannot be timed alongside another network's run: run it as network={name}")
