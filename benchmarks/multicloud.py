@@ -20,13 +20,15 @@ For each scenario (a network preset scaled to n workers) and each method, on equ
   preemption (churn) and the bandwidth-aware schedule (drawn from the clusters) run per scenario. Under
   preemption GASLoC's overlapped forms run without overlap (the simulator refuses overlap with churn).
 - **Large n.** ``--tuned-from 64`` skips the tuning and runs the held-out seeds with the configurations
-  chosen at 64 workers (the tables say so).
+  chosen at 64 workers (the tables say so); ``--methods`` runs a subset (plain DiLoCo, the reference, always
+  runs; the tables name the methods left out).
 
 Usage::
 
     python benchmarks/multicloud.py --workers 8 --out docs/multicloud
     python benchmarks/multicloud.py --workers 64 --scenarios two_clusters jitter --out docs/multicloud
     python benchmarks/multicloud.py --workers 256 --tuned-from 64 --out docs/multicloud
+    python benchmarks/multicloud.py --workers 256 --tuned-from 64 --methods diloco streaming_diloco gasloc_streamed
     python benchmarks/multicloud.py --plot --out docs/multicloud     # the figure from the JSON files there
     python benchmarks/multicloud.py --markdown --out docs/multicloud # their tables, as in docs/multicloud.md
 
@@ -127,8 +129,10 @@ class Scenario:
     Under churn (preemption) the simulator refuses overlap for gossip (a leaving worker's correction in flight
     would have no owner): GASLoC's overlapped forms run without it there."""
 
-    def __init__(self, name: str, workers: int, steps: int, inner_steps: int, runs: SharedRuns):
+    def __init__(self, name: str, workers: int, steps: int, inner_steps: int, runs: SharedRuns,
+                 methods: tuple[str, ...] = tuple(METHODS)):
         self.name, self.runs, self.inner_steps = name, runs, inner_steps
+        self.methods = methods
         self.steps = 3 * steps // 2
         self.target_step = steps
         self.base = [f"sim.workers={workers}", f"trainer.max_steps={self.steps}",
@@ -160,9 +164,10 @@ class Scenario:
         chosen["diloco"] = {"label": best, "overrides": METHODS["diloco"].grid[best],
                             "losses": {label: self.target(run)[0] for label, run in diloco.items()}}
         target = self.target(diloco[best])
-        for method, spec in METHODS.items():
+        for method in self.methods:
             if method == "diloco":
                 continue
+            spec = METHODS[method]
             grid = spec.grid or {"default": ()}
             try:
                 scores = {label: self.score(self.run(method, extra, seed, label), target)
@@ -177,7 +182,7 @@ class Scenario:
         return chosen
 
     def held_out(self, chosen: dict[str, dict], seeds: tuple[int, ...]) -> dict[str, dict]:
-        runnable = [method for method in METHODS if "error" not in chosen[method]]
+        runnable = [method for method in self.methods if "error" not in chosen[method]]
         results: dict[str, dict] = {method: {"seeds": {}} for method in runnable}
         for seed in seeds:
             diloco = self.run("diloco", chosen["diloco"]["overrides"], seed, "chosen")
@@ -209,22 +214,25 @@ def tuned_at(out: Path, workers: int, scenario: str) -> dict[str, dict]:
 
 
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
-        seeds: tuple[int, ...], out: Path, tuned_from: int | None = None) -> None:
+        seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
+        methods: tuple[str, ...] = tuple(METHODS)) -> None:
     path = out / f"multicloud_n{workers}.json"
     record = json.loads(path.read_text()) if path.is_file() else {"workers": workers, "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
         runs = SharedRuns(tuple(name for name in scenarios if name in CLOCK_ONLY), Path(tmp))
         for name in scenarios:
             print(f"{name} at n = {workers}", flush=True)
-            scenario = Scenario(name, workers, steps, inner_steps, runs)
+            scenario = Scenario(name, workers, steps, inner_steps, runs, methods)
             chosen = scenario.tune(tuning_seed) if tuned_from is None else tuned_at(out, tuned_from, name)
-            missing = [method for method in METHODS if method not in chosen]
+            chosen = {method: chosen[method] for method in methods if method in chosen}
+            missing = [method for method in methods if method not in chosen]
             if missing:
                 raise ValueError(f"--tuned-from {tuned_from}: {name} there has no tuning for {missing} (rerun it)")
             results = scenario.held_out(chosen, seeds)
             record["scenarios"][name] = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps,
                                          "tuning_seed": tuning_seed, "held_out_seeds": list(seeds),
                                          "tuned_at_workers": tuned_from or workers, "tuning": chosen,
+                                         "not_run": [method for method in METHODS if method not in methods],
                                          "results": results}
             _print_table(name, results)
             path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # after every scenario
@@ -258,6 +266,8 @@ def markdown(out: Path) -> str:
             lines += [f"### {name}, n = {record['workers']}", "",
                       f"{scenario['steps']} steps, H = {scenario['inner_steps']}, target: plain DiLoCo's loss at step "
                       f"{scenario['target_step']}; tuned on seed {scenario['tuning_seed']}{where}, held-out seeds {seeds}.",
+                      *([f"Not run at this n (time): {', '.join(scenario['not_run'])}."] if scenario.get("not_run")
+                        else []),
                       "", "| method | time / DiLoCo (mean) | per seed | goodput | final val loss | tuned |",
                       "|---|---|---|---|---|---|"]
             for method, result in scenario["results"].items():
@@ -314,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tuned-from", type=int, default=None, metavar="N",
                         help="no tuning: run the held-out seeds with the configurations chosen at N workers "
                              "(from multicloud_n<N>.json in --out); for sizes where tuning is too costly")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="a subset of the methods (diloco, the reference, must be one of them)")
     parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
     parser.add_argument("--markdown", action="store_true", help="only print the tables of the JSON files in --out")
     args = parser.parse_args(argv)
@@ -321,13 +333,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tuning-seed must not be one of the held-out --seeds")
     if args.steps < 2 * args.inner_steps or args.workers < 2:
         parser.error("--steps must cover at least two rounds (2 x --inner-steps) and --workers must be >= 2")
+    if "diloco" not in args.methods:
+        parser.error("--methods must include diloco: every ratio is to plain DiLoCo's time")
     if args.markdown:
         print(markdown(args.out))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
-                      tuple(args.seeds), args.out, args.tuned_from)
+                      tuple(args.seeds), args.out, args.tuned_from,
+                      tuple(method for method in METHODS if method in args.methods))
     plot(args.out)
 
 

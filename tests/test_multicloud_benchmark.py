@@ -123,3 +123,24 @@ def test_a_size_can_reuse_the_configurations_tuned_at_another(tmp_path, monkeypa
     with pytest.raises(FileNotFoundError, match="run it at n = 5 first"):
         mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "5", "--out",
                  str(tmp_path)])
+
+
+def test_a_subset_of_the_methods_runs_and_the_tables_name_the_rest(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
+    calls = []
+    monkeypatch.setattr(mc, "run_sim", lambda overrides, out: calls.append(overrides) or _stand_in_run(overrides, out))
+    mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4",
+             "--methods", "gasloc_streamed", "diloco", "--out", str(tmp_path)])
+    assert calls and all("strategy=diloco" in call or "strategy.fragments=4" in call for call in calls)
+    assert not any("strategy.message_codec=int4" in call for call in calls)  # not Streaming DiLoCo
+    at6 = json.loads((tmp_path / "multicloud_n6.json").read_text())["scenarios"]["jitter"]
+    assert list(at6["results"]) == ["diloco", "gasloc_streamed"]
+    assert set(at6["not_run"]) == set(mc.METHODS) - {"diloco", "gasloc_streamed"}
+    capsys.readouterr()
+    mc.main(["--markdown", "--out", str(tmp_path)])
+    table = capsys.readouterr().out.split("### jitter, n = 6", 1)[1]
+    assert "Not run at this n (time): ddp, streaming_diloco," in table
+    assert "gasloc_bw_spread | cannot run here" not in table  # not run, so not reported as unable to run
+    with pytest.raises(SystemExit):
+        mc.main(["--methods", "gasloc_streamed", "--out", str(tmp_path)])
