@@ -124,7 +124,7 @@ class SharedRuns:
 
 
 class Scenario:
-    """One scenario at n workers: tune every method on the tuning seed, then run the held-out seeds.
+    """One scenario at n workers: tune each of ``methods`` on the tuning seed, then run the held-out seeds.
 
     Under churn (preemption) the simulator refuses overlap for gossip (a leaving worker's correction in flight
     would have no owner): GASLoC's overlapped forms run without it there."""
@@ -204,18 +204,47 @@ def _summary(per_seed: list[dict]) -> dict:
             "val_loss_mean": statistics.mean(s["val_loss"] for s in per_seed)}
 
 
-def tuned_at(out: Path, workers: int, scenario: str) -> dict[str, dict]:
-    """The configurations chosen at another n (``--tuned-from``) for ``scenario``: what runs at this n."""
+def tuned_at(out: Path, workers: int, scenario: str) -> dict:
+    """The record of ``scenario`` at another n (``--tuned-from``): its ``tuning`` is what runs at this n."""
     path = out / f"multicloud_n{workers}.json"
     scenarios = json.loads(path.read_text())["scenarios"] if path.is_file() else {}
     if scenario not in scenarios:
         raise FileNotFoundError(f"--tuned-from {workers}: {path} has no {scenario} (run it at n = {workers} first)")
-    return scenarios[scenario]["tuning"]
+    return scenarios[scenario]
+
+
+def check_methods(methods: tuple[str, ...]) -> tuple[str, ...]:
+    """``methods`` in the order of :data:`METHODS`; plain DiLoCo (the reference of every ratio) must be one."""
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or "diloco" not in methods:
+        raise ValueError(f"methods must be among {list(METHODS)} and include diloco (every ratio is to plain "
+                         f"DiLoCo's time), got {list(methods)}")
+    return tuple(method for method in METHODS if method in methods)
+
+
+_PROTOCOL = ("steps", "target_step", "inner_steps", "tuning_seed", "held_out_seeds", "tuned_at_workers")
+
+
+def merged(previous: dict | None, current: dict) -> dict:
+    """``current`` (a scenario's record), keeping the methods of ``previous`` that did not run now when both
+    followed the same protocol (a rerun with other ``--methods``); a different protocol replaces it all."""
+    if previous is None or any(previous.get(key) != current[key] for key in _PROTOCOL):
+        return current
+    kept = [method for method in previous.get("results", {}) if method not in current["results"]]
+    if kept:
+        print(f"  kept from the previous run of this protocol: {', '.join(kept)}", flush=True)
+    results = {**{m: previous["results"][m] for m in kept}, **current["results"]}
+    tuning = {**{m: c for m, c in previous["tuning"].items() if m not in current["tuning"]}, **current["tuning"]}
+    order = list(METHODS)
+    return {**current, "results": dict(sorted(results.items(), key=lambda item: order.index(item[0]))),
+            "tuning": dict(sorted(tuning.items(), key=lambda item: order.index(item[0]))),
+            "not_run": [method for method in METHODS if method not in tuning]}
 
 
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
         seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
         methods: tuple[str, ...] = tuple(METHODS)) -> None:
+    methods = check_methods(methods)
     path = out / f"multicloud_n{workers}.json"
     record = json.loads(path.read_text()) if path.is_file() else {"workers": workers, "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,17 +252,26 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         for name in scenarios:
             print(f"{name} at n = {workers}", flush=True)
             scenario = Scenario(name, workers, steps, inner_steps, runs, methods)
-            chosen = scenario.tune(tuning_seed) if tuned_from is None else tuned_at(out, tuned_from, name)
-            chosen = {method: chosen[method] for method in methods if method in chosen}
+            protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
+            if tuned_from is None:
+                chosen = scenario.tune(tuning_seed)
+            else:
+                source = tuned_at(out, tuned_from, name)
+                protocol = {"tuning_seed": source["tuning_seed"],
+                            "tuned_at_workers": source.get("tuned_at_workers", tuned_from)}
+                if protocol["tuning_seed"] in seeds:
+                    raise ValueError(f"--tuned-from {tuned_from}: {name} was tuned on seed {protocol['tuning_seed']}"
+                                     f", which cannot be a held-out seed here ({list(seeds)})")
+                chosen = source["tuning"]
             missing = [method for method in methods if method not in chosen]
             if missing:
                 raise ValueError(f"--tuned-from {tuned_from}: {name} there has no tuning for {missing} (rerun it)")
+            chosen = {method: chosen[method] for method in methods}
             results = scenario.held_out(chosen, seeds)
-            record["scenarios"][name] = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps,
-                                         "tuning_seed": tuning_seed, "held_out_seeds": list(seeds),
-                                         "tuned_at_workers": tuned_from or workers, "tuning": chosen,
-                                         "not_run": [method for method in METHODS if method not in methods],
-                                         "results": results}
+            current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
+                       "held_out_seeds": list(seeds), "tuning": chosen,
+                       "not_run": [method for method in METHODS if method not in methods], "results": results}
+            record["scenarios"][name] = merged(record["scenarios"].get(name), current)
             _print_table(name, results)
             path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # after every scenario
 
@@ -266,7 +304,7 @@ def markdown(out: Path) -> str:
             lines += [f"### {name}, n = {record['workers']}", "",
                       f"{scenario['steps']} steps, H = {scenario['inner_steps']}, target: plain DiLoCo's loss at step "
                       f"{scenario['target_step']}; tuned on seed {scenario['tuning_seed']}{where}, held-out seeds {seeds}.",
-                      *([f"Not run at this n (time): {', '.join(scenario['not_run'])}."] if scenario.get("not_run")
+                      *([f"Not run here (left out with --methods): {', '.join(scenario['not_run'])}."] if scenario.get("not_run")
                         else []),
                       "", "| method | time / DiLoCo (mean) | per seed | goodput | final val loss | tuned |",
                       "|---|---|---|---|---|---|"]
@@ -341,8 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
-                      tuple(args.seeds), args.out, args.tuned_from,
-                      tuple(method for method in METHODS if method in args.methods))
+                      tuple(args.seeds), args.out, args.tuned_from, tuple(args.methods))
     plot(args.out)
 
 

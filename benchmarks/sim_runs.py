@@ -18,18 +18,22 @@ from pathlib import Path
 Trace = list[tuple[int, float, float | None]]
 
 
+# ``ValueError: ...``, ``omegaconf.errors.ValidationError: ...``, ``TopologyError('...')`` or a bare ``AssertionError``
+_RAISED = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception)(?:[(:]|$)")
+_HYDRA_CONTEXT = ("full_key:", "object_type=", "reference_type=")  # what Hydra appends after the error
+
+
 class SimRunError(RuntimeError):
     """A ``gasloc-sim`` run exited non-zero; the message ends with its last lines of output."""
 
     @property
     def reason(self) -> str:
-        """The error the run raised, as one line (Hydra wraps it: its own last lines name only the config key)."""
-        lines = str(self).splitlines()
+        """The error the run raised, as one line: the last line that names an exception (Hydra follows it with
+        the config key), else the last line that is not Hydra's context, else ``""``."""
+        lines = [line.strip() for line in str(self).splitlines() if line.strip()]
         raised = [line for line in lines if _RAISED.match(line)]
-        return (raised or lines)[-1]
-
-
-_RAISED = re.compile(r"^\w*(Error|Exception)\b[(:]")  # ``ValueError: ...`` or ``TopologyError('...')``
+        told = [line for line in lines if not line.startswith(_HYDRA_CONTEXT)]
+        return (raised or told or [""])[-1]
 
 
 def run_sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:

@@ -125,22 +125,69 @@ def test_a_size_can_reuse_the_configurations_tuned_at_another(tmp_path, monkeypa
                  str(tmp_path)])
 
 
-def test_a_subset_of_the_methods_runs_and_the_tables_name_the_rest(tmp_path, monkeypatch, capsys):
+def _methods_run(monkeypatch) -> set[str]:
+    """The methods that ``Scenario.run`` is asked to run from now on."""
+    ran, run = set(), mc.Scenario.run
+    monkeypatch.setattr(mc.Scenario, "run", lambda self, method, *args: ran.add(method) or run(self, method, *args))
+    return ran
+
+
+def test_a_subset_of_the_methods_is_tuned_and_run_and_the_tables_name_the_rest(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mc, "run_sim", _stand_in_run)
-    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
-    calls = []
-    monkeypatch.setattr(mc, "run_sim", lambda overrides, out: calls.append(overrides) or _stand_in_run(overrides, out))
-    mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4",
-             "--methods", "gasloc_streamed", "diloco", "--out", str(tmp_path)])
-    assert calls and all("strategy=diloco" in call or "strategy.fragments=4" in call for call in calls)
-    assert not any("strategy.message_codec=int4" in call for call in calls)  # not Streaming DiLoCo
-    at6 = json.loads((tmp_path / "multicloud_n6.json").read_text())["scenarios"]["jitter"]
-    assert list(at6["results"]) == ["diloco", "gasloc_streamed"]
-    assert set(at6["not_run"]) == set(mc.METHODS) - {"diloco", "gasloc_streamed"}
+    ran = _methods_run(monkeypatch)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "gasloc_streamed", "diloco",
+             "--out", str(tmp_path)])
+    assert ran == {"diloco", "gasloc_streamed"}
+    at4 = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
+    assert list(at4["results"]) == list(at4["tuning"]) == ["diloco", "gasloc_streamed"]
+    assert set(at4["not_run"]) == set(mc.METHODS) - {"diloco", "gasloc_streamed"}
     capsys.readouterr()
     mc.main(["--markdown", "--out", str(tmp_path)])
-    table = capsys.readouterr().out.split("### jitter, n = 6", 1)[1]
-    assert "Not run at this n (time): ddp, streaming_diloco," in table
+    table = capsys.readouterr().out.split("### jitter, n = 4", 1)[1]
+    assert "Not run here (left out with --methods): ddp, streaming_diloco," in table
     assert "gasloc_bw_spread | cannot run here" not in table  # not run, so not reported as unable to run
     with pytest.raises(SystemExit):
         mc.main(["--methods", "gasloc_streamed", "--out", str(tmp_path)])
+    assert "--methods must include diloco" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="include diloco"):
+        mc.run_scenarios(4, ("jitter",), 40, 10, 0, (1, 2), tmp_path, methods=("gasloc_streamed",))
+
+
+def test_a_rerun_with_other_methods_keeps_the_results_of_the_same_protocol(tmp_path, monkeypatch):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
+    ran = _methods_run(monkeypatch)
+    mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4",
+             "--methods", "diloco", "streaming_diloco", "--out", str(tmp_path)])
+    mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4",
+             "--methods", "gasloc_streamed", "diloco", "--out", str(tmp_path)])
+    assert ran == {"diloco", "streaming_diloco", "gasloc_streamed"}
+    at6 = json.loads((tmp_path / "multicloud_n6.json").read_text())["scenarios"]["jitter"]
+    assert list(at6["results"]) == ["diloco", "streaming_diloco", "gasloc_streamed"]
+    assert "streaming_diloco" not in at6["not_run"] and "gasloc_one_peer" in at6["not_run"]
+    assert at6["tuning_seed"] == 0 and at6["tuned_at_workers"] == 4
+    mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "60", "--tuned-from", "4",
+             "--methods", "diloco", "--out", str(tmp_path)])  # another protocol: replaces the record
+    assert list(json.loads((tmp_path / "multicloud_n6.json").read_text())["scenarios"]["jitter"]["results"]) == [
+        "diloco"]
+
+
+def test_a_size_tuned_from_another_keeps_its_tuning_seed_out_of_the_held_out_seeds(tmp_path, monkeypatch):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
+             str(tmp_path)])
+    with pytest.raises(ValueError, match="tuned on seed 0"):
+        mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4", "--tuning-seed",
+                 "5", "--seeds", "0", "1", "--methods", "diloco", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize(("output", "reason"), [
+    ("Error in call to target 'x':\nTopologyError('needs clusters')\nfull_key: topology", "TopologyError('needs clusters')"),
+    ("Traceback ...\nomegaconf.errors.ValidationError: bad value\n    full_key: a.b", "omegaconf.errors.ValidationError: bad value"),
+    ("KeyError: 'x'\nThe above exception was the direct cause\nValueError: no such preset", "ValueError: no such preset"),
+    ("  assert x\nAssertionError", "AssertionError"),
+    ("Could not override 'a.b'.\nfull_key: a.b\nobject_type=dict", "Could not override 'a.b'."),
+    ("", ""),
+])
+def test_a_failed_run_is_reported_by_the_error_it_raised(output, reason):
+    assert mc.SimRunError(output).reason == reason
