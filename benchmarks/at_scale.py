@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -263,6 +264,20 @@ def churn(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
     return {"workers": workers, "steps": steps, "seeds": list(seeds), "runs": runs}
 
 
+def paired_ratios(run: dict, reference: dict) -> list[float]:
+    """Per-seed ratios of ``run``'s final loss to ``reference``'s on the same seed (one ratio for a one-seed record)."""
+    if "seeds" not in run or "seeds" not in reference:
+        return [run["val_loss"] / reference["val_loss"]]
+    common = sorted(set(run["seeds"]) & set(reference["seeds"]), key=int)
+    if not common:
+        raise ValueError("the two runs share no seed: their losses cannot be paired")
+    return [run["seeds"][seed]["val_loss"] / reference["seeds"][seed]["val_loss"] for seed in common]
+
+
+def _sd(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def plot_summary(folder: Path, path: Path) -> None:
     """Quality vs n, H = 1 at n = 64, networks at n = 64 and churn, from the parts' JSON files in ``folder``."""
     from matplotlib.figure import Figure
@@ -272,10 +287,13 @@ def plot_summary(folder: Path, path: Path) -> None:
     sizes = [n for n in (16, 64, 256) if (folder / f"quality_n{n}.json").is_file()]
     quality = {n: json.loads((folder / f"quality_n{n}.json").read_text())["runs"] for n in sizes}
     for name in ("one_peer", "two_peer", "ring", "exponential"):
-        ratios = [quality[n][name]["val_loss"] / quality[n]["diloco"]["val_loss"] for n in sizes]
-        axes[0].plot(sizes, ratios, "o-", label=name)
+        ratios = [paired_ratios(quality[n][name], quality[n]["diloco"]) for n in sizes]
+        axes[0].errorbar(sizes, [statistics.mean(r) for r in ratios], yerr=[_sd(r) for r in ratios],
+                         fmt="o-", capsize=3, label=name)
     axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set(xscale="log", xlabel="workers n", ylabel="val loss / DiLoCo's", title="2. quality vs n (50 steps)")
+    seeds = ", ".join(f"{n}: {len(paired_ratios(quality[n]['diloco'], quality[n]['diloco']))}" for n in sizes)
+    axes[0].set(xscale="log", xlabel=f"workers n (seeds {seeds})", ylabel="val loss / DiLoCo's (paired, mean ± sd)",
+                title="2. quality vs n (50 steps)")
     axes[0].set_xticks(sizes, [str(n) for n in sizes])
     axes[0].minorticks_off()
     axes[0].legend(fontsize=7)
@@ -299,10 +317,11 @@ def plot_summary(folder: Path, path: Path) -> None:
         if (folder / f"churn_n{n}.json").is_file():
             runs = json.loads((folder / f"churn_n{n}.json").read_text())["runs"]
             shares = sorted(runs, key=float)
-            base = runs[shares[0]]["val_loss"]
-            axes[3].plot([100 * float(k) for k in shares], [runs[k]["val_loss"] / base for k in shares], "o-", label=f"n = {n}")
+            ratios = [paired_ratios(runs[k], runs[shares[0]]) for k in shares]
+            axes[3].errorbar([100 * float(k) for k in shares], [statistics.mean(r) for r in ratios],
+                             yerr=[_sd(r) for r in ratios], fmt="o-", capsize=3, label=f"n = {n} ({len(ratios[0])} seeds)")
     axes[3].axhline(1.0, color="grey", lw=0.8)
-    axes[3].set(xlabel="% of workers down", ylabel="val loss / no churn", title="5. churn (one_peer)")
+    axes[3].set(xlabel="% of workers down", ylabel="val loss / no churn (paired, mean ± sd)", title="5. churn (one_peer)")
     axes[3].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

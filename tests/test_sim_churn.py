@@ -74,6 +74,9 @@ def test_churn_runs_only_the_live_steps_and_joiners_pull_five_model_copies(corpu
     simulator.replicas.train_step = counting
     result = simulator.run()
     assert sum(computed) == 2 * 4 + 2 * 3 + 2 * 3 + 2 * 4  # H = 2 steps per round, times the live workers
+    batch, block = simulator.batches.batch_size, simulator.batches.block_size
+    assert result["tokens"] == sum(computed) * batch * block  # the down worker's tokens are not counted
+    assert result["final"]["progress/tokens"] == result["tokens"]
     assert result["joins"] == 1
     state_bytes = simulator.join_state_bytes(0)
     # the elastic mode's state: live point, round start, anchor, AdamW's two moments (float32) and step counts

@@ -331,7 +331,7 @@ def _record(cfg: DictConfig, simulator: Simulator, parts: dict[str, Any], result
     data = {k: datamodule.hparams.get(k) for k in ("source", "block_size", "batch_size", "val_fraction", "val_batches")}
     data["sha256"] = datamodule.fingerprint.get("sha256")
     steps = result["steps"]
-    tokens = steps * simulator.batches.batch_size * simulator.batches.block_size * workers
+    tokens = result["tokens"]  # the live workers' batches: under churn, fewer than steps x workers x B x T
     final = result["final"]
     return {
         "format": SUMMARY_FORMAT,

@@ -95,6 +95,7 @@ class Simulator:
         self._last_train_loss = float("nan")
         self._live = list(range(self.workers)) if churn is None else list(churn.live(0))
         self.joins = 0  # workers that joined (each pulled join_state_bytes from a live peer)
+        self.tokens_seen = 0  # training tokens of the live workers' batches, summed over workers
         self._start = time.perf_counter()
 
     @property
@@ -116,7 +117,8 @@ class Simulator:
         self.finish()
         return {"final": final, "rounds": self.round_index, "steps": self.step,
                 "wall_time_s": time.perf_counter() - self._start, "bytes_sent": self.bytes_sent_mean,
-                "goodput": 1.0 if self.churn is None else self.churn.goodput(), "joins": self.joins}
+                "goodput": 1.0 if self.churn is None else self.churn.goodput(), "joins": self.joins,
+                "tokens": self.tokens_seen}
 
     def train(self) -> dict[str, float]:
         """The training loop (steps, rounds, validations); returns the last validation's metrics."""
@@ -150,6 +152,7 @@ class Simulator:
         # Down workers compute nothing: no batch drawn (their samplers stand still), no pass, no time.
         rows = None if len(self._live) == self.workers else self._live
         x, y = self.batches.next_batch(rows)  # (m, B, T), the live workers' batches
+        self.tokens_seen += x.numel()
         losses = self.replicas.train_step(x, y, step_in_round, rows=rows)  # (m,)
         applied = set(self.replicas.applies(step_in_round))
         self.clocks.advance_compute([i for i in self._live if i in applied])  # a step not applied takes no time
@@ -239,8 +242,7 @@ class Simulator:
             total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").double())
             tokens += y.numel()
         loss = total / tokens
-        tokens_seen = self.step * self.batches.batch_size * self.batches.block_size * self.workers
-        row = {"val/loss": loss, "val/ppl": math.exp(loss), "progress/tokens": float(tokens_seen),
+        row = {"val/loss": loss, "val/ppl": math.exp(loss), "progress/tokens": float(self.tokens_seen),
                "progress/bytes_sent": self.bytes_sent_mean,
                "progress/wall_time_s": time.perf_counter() - self._start}
         if self.clocks.enabled:  # the consensus needs every live worker's round: the latest clock
