@@ -274,8 +274,9 @@ def paired_ratios(run: dict, reference: dict) -> list[float]:
     return [run["seeds"][seed]["val_loss"] / reference["seeds"][seed]["val_loss"] for seed in common]
 
 
-def _sd(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """The mean and sample sd of ``values`` (sd 0 for one value: a probe, drawn without a bar)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def plot_summary(folder: Path, path: Path) -> None:
@@ -287,9 +288,8 @@ def plot_summary(folder: Path, path: Path) -> None:
     sizes = [n for n in (16, 64, 256) if (folder / f"quality_n{n}.json").is_file()]
     quality = {n: json.loads((folder / f"quality_n{n}.json").read_text())["runs"] for n in sizes}
     for name in ("one_peer", "two_peer", "ring", "exponential"):
-        ratios = [paired_ratios(quality[n][name], quality[n]["diloco"]) for n in sizes]
-        axes[0].errorbar(sizes, [statistics.mean(r) for r in ratios], yerr=[_sd(r) for r in ratios],
-                         fmt="o-", capsize=3, label=name)
+        means, sds = zip(*(mean_sd(paired_ratios(quality[n][name], quality[n]["diloco"])) for n in sizes))
+        axes[0].errorbar(sizes, means, yerr=sds, fmt="o-", capsize=3, label=name)
     axes[0].axhline(1.0, color="grey", lw=0.8)
     seeds = ", ".join(f"{n}: {len(paired_ratios(quality[n]['diloco'], quality[n]['diloco']))}" for n in sizes)
     axes[0].set(xscale="log", xlabel=f"workers n (seeds {seeds})", ylabel="val loss / DiLoCo's (paired, mean ± sd)",
@@ -317,9 +317,10 @@ def plot_summary(folder: Path, path: Path) -> None:
         if (folder / f"churn_n{n}.json").is_file():
             runs = json.loads((folder / f"churn_n{n}.json").read_text())["runs"]
             shares = sorted(runs, key=float)
-            ratios = [paired_ratios(runs[k], runs[shares[0]]) for k in shares]
-            axes[3].errorbar([100 * float(k) for k in shares], [statistics.mean(r) for r in ratios],
-                             yerr=[_sd(r) for r in ratios], fmt="o-", capsize=3, label=f"n = {n} ({len(ratios[0])} seeds)")
+            means, sds = zip(*(mean_sd(paired_ratios(runs[k], runs[shares[0]])) for k in shares))
+            seeds = len(paired_ratios(runs[shares[0]], runs[shares[0]]))
+            axes[3].errorbar([100 * float(k) for k in shares], means, yerr=sds, fmt="o-", capsize=3,
+                             label=f"n = {n} ({seeds} seeds)")
     axes[3].axhline(1.0, color="grey", lw=0.8)
     axes[3].set(xlabel="% of workers down", ylabel="val loss / no churn (paired, mean ± sd)", title="5. churn (one_peer)")
     axes[3].legend(fontsize=7)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -225,26 +226,73 @@ def check_methods(methods: tuple[str, ...]) -> tuple[str, ...]:
 _PROTOCOL = ("steps", "target_step", "inner_steps", "tuning_seed", "held_out_seeds", "tuned_at_workers")
 
 
-def merged(previous: dict | None, current: dict) -> dict:
-    """``current`` (a scenario's record), keeping the methods of ``previous`` that did not run now when both
-    followed the same protocol (a rerun with other ``--methods``); a different protocol replaces it all."""
-    if previous is None or any(previous.get(key) != current[key] for key in _PROTOCOL):
+def _same_reference(previous: dict, current: dict) -> bool:
+    """Whether both records' ratios are to the same plain DiLoCo runs (its setting, target loss and time)."""
+    if previous.get("tuning", {}).get("diloco", {}).get("label") != current["tuning"]["diloco"].get("label"):
+        return False
+    old = previous.get("results", {}).get("diloco", {}).get("seeds", {})
+    new = current["results"]["diloco"]["seeds"]
+    return set(old) == set(new) and all(math.isclose(old[seed][key], new[seed][key], rel_tol=1e-6)
+                                        for seed in new for key in ("target_loss", "diloco_time"))
+
+
+def merged(previous: dict | None, current: dict, workers: int) -> dict:
+    """``current`` (a scenario's record at ``workers``), keeping the methods of ``previous`` that were not tried
+    now when both followed the same protocol against the same plain DiLoCo runs (a rerun with other
+    ``--methods``); otherwise ``current`` replaces it all."""
+    if previous is None:
         return current
-    kept = [method for method in previous.get("results", {}) if method not in current["results"]]
+    previous = {"tuned_at_workers": workers, **previous}  # records written before the key existed were tuned here
+    if any(previous.get(key) != current[key] for key in _PROTOCOL) or not _same_reference(previous, current):
+        print("  the previous record followed another protocol or reference: replaced", flush=True)
+        return current
+    kept = [method for method in previous.get("tuning", {}) if method in METHODS and method not in current["tuning"]]
     if kept:
         print(f"  kept from the previous run of this protocol: {', '.join(kept)}", flush=True)
-    results = {**{m: previous["results"][m] for m in kept}, **current["results"]}
-    tuning = {**{m: c for m, c in previous["tuning"].items() if m not in current["tuning"]}, **current["tuning"]}
     order = list(METHODS)
+    tuning = {**{m: previous["tuning"][m] for m in kept}, **current["tuning"]}
+    results = {**{m: previous["results"][m] for m in kept if m in previous.get("results", {})},
+               **current["results"]}
     return {**current, "results": dict(sorted(results.items(), key=lambda item: order.index(item[0]))),
             "tuning": dict(sorted(tuning.items(), key=lambda item: order.index(item[0]))),
             "not_run": [method for method in METHODS if method not in tuning]}
+
+
+def tuned_choices(out: Path, tuned_from: int, scenarios: tuple[str, ...], methods: tuple[str, ...],
+                  seeds: tuple[int, ...], steps: int, inner_steps: int) -> dict[str, tuple[dict, dict]]:
+    """``--tuned-from``: each scenario's (protocol, chosen configurations) from the record at ``tuned_from``
+    workers, every scenario checked before any run (same steps and H, a tuning seed not held out here)."""
+    choices = {}
+    for name in scenarios:
+        source = tuned_at(out, tuned_from, name)
+        where = f"--tuned-from {tuned_from}: {name}"
+        if (source.get("target_step"), source.get("inner_steps")) != (steps, inner_steps):
+            raise ValueError(f"{where} was tuned with --steps {source.get('target_step')} --inner-steps "
+                             f"{source.get('inner_steps')}, not {steps} and {inner_steps}")
+        if source["tuning_seed"] in seeds:
+            raise ValueError(f"{where} was tuned on seed {source['tuning_seed']}, which cannot be a held-out seed "
+                             f"here ({list(seeds)})")
+        missing = [method for method in methods if method not in source["tuning"]]
+        if missing:
+            raise ValueError(f"{where} there has no tuning for {missing} (rerun it)")
+        protocol = {"tuning_seed": source["tuning_seed"], "tuned_at_workers": source.get("tuned_at_workers", tuned_from)}
+        choices[name] = (protocol, {method: source["tuning"][method] for method in methods})
+    return choices
+
+
+def _write(path: Path, record: dict) -> None:
+    """Replace ``path`` whole: an interrupted write leaves the previous record, not a truncated one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(partial, path)
 
 
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
         seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
         methods: tuple[str, ...] = tuple(METHODS)) -> None:
     methods = check_methods(methods)
+    choices = None if tuned_from is None else tuned_choices(out, tuned_from, scenarios, methods, seeds, steps,
+                                                            inner_steps)
     path = out / f"multicloud_n{workers}.json"
     record = json.loads(path.read_text()) if path.is_file() else {"workers": workers, "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,28 +300,17 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         for name in scenarios:
             print(f"{name} at n = {workers}", flush=True)
             scenario = Scenario(name, workers, steps, inner_steps, runs, methods)
-            protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
-            if tuned_from is None:
-                chosen = scenario.tune(tuning_seed)
+            if choices is None:
+                protocol, chosen = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}, scenario.tune(tuning_seed)
             else:
-                source = tuned_at(out, tuned_from, name)
-                protocol = {"tuning_seed": source["tuning_seed"],
-                            "tuned_at_workers": source.get("tuned_at_workers", tuned_from)}
-                if protocol["tuning_seed"] in seeds:
-                    raise ValueError(f"--tuned-from {tuned_from}: {name} was tuned on seed {protocol['tuning_seed']}"
-                                     f", which cannot be a held-out seed here ({list(seeds)})")
-                chosen = source["tuning"]
-            missing = [method for method in methods if method not in chosen]
-            if missing:
-                raise ValueError(f"--tuned-from {tuned_from}: {name} there has no tuning for {missing} (rerun it)")
-            chosen = {method: chosen[method] for method in methods}
+                protocol, chosen = choices[name]
             results = scenario.held_out(chosen, seeds)
             current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
                        "held_out_seeds": list(seeds), "tuning": chosen,
                        "not_run": [method for method in METHODS if method not in methods], "results": results}
-            record["scenarios"][name] = merged(record["scenarios"].get(name), current)
+            record["scenarios"][name] = merged(record["scenarios"].get(name), current, workers)
             _print_table(name, results)
-            path.write_text(json.dumps(record, indent=2, default=str) + "\n")  # after every scenario
+            _write(path, record)  # after every scenario
 
 
 def _print_table(name: str, results: dict[str, dict]) -> None:
@@ -320,7 +357,12 @@ def markdown(out: Path) -> str:
     return "\n".join(lines)
 
 
-NEVER = 50.0  # where a seed that never reached the target is drawn (above every measured ratio)
+def never_height(records: list[dict]) -> float:
+    """Where a seed that never reached the target is drawn: above every measured ratio of every record."""
+    ratios = [ratio for record in records for scenario in record["scenarios"].values()
+              for result in scenario.get("results", {}).values() for ratio in result.get("ratios", [])
+              if ratio is not None]
+    return 1.5 * max(ratios, default=10.0)
 
 
 def plot(out: Path) -> None:
@@ -330,9 +372,11 @@ def plot(out: Path) -> None:
     records = _records(out)
     scenarios = [name for name in SCENARIOS if any(name in record["scenarios"] for record in records)]
     methods = list(METHODS)
+    never_at = never_height(records)
+    shifts = [0.3 * (i - (len(records) - 1) / 2) / max(len(records) - 1, 1) for i in range(len(records))]
     figure = Figure(figsize=(4 * max(len(scenarios), 1), 4.2))
     for axes, scenario in zip(figure.subplots(1, len(scenarios), squeeze=False)[0], scenarios):
-        for shift, record in zip((-0.15, 0.15, 0.0), records):
+        for shift, record in zip(shifts, records):
             results = record["scenarios"].get(scenario, {}).get("results", {})
             points = [(index + shift, ratio) for index, method in enumerate(methods)
                       for ratio in results.get(method, {}).get("ratios", [])]
@@ -341,7 +385,7 @@ def plot(out: Path) -> None:
                 else None
             never = [x for x, r in points if r is None]
             if never:
-                axes.plot(never, [NEVER] * len(never), "x", color=color)
+                axes.plot(never, [never_at] * len(never), "x", color=color)
         axes.axhline(1.0, color="grey", lw=0.8)
         axes.set_xticks(range(len(methods)), [m.replace("_", "\n") for m in methods], fontsize=6)
         axes.set(title=scenario, ylabel="time to plain DiLoCo's loss / DiLoCo's (x: never)", yscale="log")
@@ -367,8 +411,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
     parser.add_argument("--markdown", action="store_true", help="only print the tables of the JSON files in --out")
     args = parser.parse_args(argv)
-    if args.tuning_seed in args.seeds:
+    if args.tuned_from is None and args.tuning_seed in args.seeds:
         parser.error("--tuning-seed must not be one of the held-out --seeds")
+    if args.tuned_from is not None and args.tuning_seed != parser.get_default("tuning_seed"):
+        parser.error("--tuning-seed has no use with --tuned-from (the source's tuning seed is the one recorded)")
     if args.steps < 2 * args.inner_steps or args.workers < 2:
         parser.error("--steps must cover at least two rounds (2 x --inner-steps) and --workers must be >= 2")
     if "diloco" not in args.methods:

@@ -21,6 +21,8 @@ Trace = list[tuple[int, float, float | None]]
 # ``ValueError: ...``, ``omegaconf.errors.ValidationError: ...``, ``TopologyError('...')`` or a bare ``AssertionError``
 _RAISED = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception)(?:[(:]|$)")
 _HYDRA_CONTEXT = ("full_key:", "object_type=", "reference_type=")  # what Hydra appends after the error
+_HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1"  # Hydra's advice line, not the error
+RUN_TIMEOUT_S = 3 * 3600.0  # far above any run here (256 workers x 90 steps: about 6 min); a hung run is killed
 
 
 class SimRunError(RuntimeError):
@@ -40,9 +42,14 @@ def run_sim(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
     """One ``gasloc-sim experiment=<experiment> <overrides>`` run in ``out``; its summary and trace."""
     command = [str(Path(sys.executable).parent / "gasloc-sim"), f"experiment={experiment}", "data.val_batches=2",
                "sim.progress_every=0", *overrides, f"output_dir={out}"]
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=RUN_TIMEOUT_S)  # on timeout the child is killed before this raises
+    except subprocess.TimeoutExpired as error:
+        raise SimRunError(f"gasloc-sim killed: {' '.join(command)}\n"
+                          f"TimeoutError: no result after {error.timeout:.0f} s") from None
     if result.returncode != 0:
-        lines = [line for line in result.stdout.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+        lines = [line for line in result.stdout.splitlines() if line.strip() and not line.startswith(_HYDRA_HINT)]
         raise SimRunError(f"gasloc-sim exited {result.returncode}: {' '.join(command)}\n" + "\n".join(lines[-15:]))
     record = json.loads((out / "summary.json").read_text())
     also = record["sim"].get("sim_time_max_also") or {}

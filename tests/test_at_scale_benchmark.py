@@ -36,6 +36,8 @@ def test_ratios_pair_the_same_seed_and_skip_a_seed_only_one_side_ran():
 
 def test_a_one_seed_record_gives_one_ratio_and_disjoint_seeds_are_refused():
     assert at_scale.paired_ratios({"val_loss": 3.0}, {"val_loss": 2.0}) == [1.5]
+    assert at_scale.mean_sd([1.5]) == (1.5, 0.0)
+    assert at_scale.mean_sd([1.0, 3.0]) == pytest.approx((2.0, 2.0 ** 0.5))
     with pytest.raises(ValueError, match="share no seed"):
         at_scale.paired_ratios(_run({"0": 1.0}), _run({"1": 1.0}))
 

@@ -166,10 +166,72 @@ def test_a_rerun_with_other_methods_keeps_the_results_of_the_same_protocol(tmp_p
     assert list(at6["results"]) == ["diloco", "streaming_diloco", "gasloc_streamed"]
     assert "streaming_diloco" not in at6["not_run"] and "gasloc_one_peer" in at6["not_run"]
     assert at6["tuning_seed"] == 0 and at6["tuned_at_workers"] == 4
-    mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "60", "--tuned-from", "4",
-             "--methods", "diloco", "--out", str(tmp_path)])  # another protocol: replaces the record
+    mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
+             str(tmp_path)])  # another protocol (tuned at 6): replaces the record
     assert list(json.loads((tmp_path / "multicloud_n6.json").read_text())["scenarios"]["jitter"]["results"]) == [
         "diloco"]
+
+
+def test_a_record_written_before_tuned_at_workers_existed_is_kept_by_a_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
+    path = tmp_path / "multicloud_n4.json"
+    legacy = json.loads(path.read_text())
+    del legacy["scenarios"]["jitter"]["tuned_at_workers"]
+    path.write_text(json.dumps(legacy))
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "gasloc_streamed",
+             "--out", str(tmp_path)])
+    results = json.loads(path.read_text())["scenarios"]["jitter"]["results"]
+    assert {"ddp", "streaming_diloco", "gasloc_one_peer", "gasloc_compressed"} <= set(results)
+
+
+def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
+
+    def streamed_fails(overrides, out):
+        if "strategy.fragment_sync_delay=1" in overrides:
+            raise mc.SimRunError("RuntimeError: fragments need H >= 4")
+        return _stand_in_run(overrides, out)
+
+    monkeypatch.setattr(mc, "run_sim", streamed_fails)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "gasloc_streamed",
+             "--out", str(tmp_path)])
+    scenario = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
+    assert "gasloc_streamed" not in scenario["results"] and "error" in scenario["tuning"]["gasloc_streamed"]
+    assert "gasloc_one_peer" in scenario["results"]  # not tried now: kept
+
+    def slower_diloco(overrides, out):  # the reference moved (another simulator): every old ratio is void
+        run = _stand_in_run(overrides, out)
+        if "strategy=diloco" in overrides:
+            run["trace"] = [(step, loss, 2 * time) for step, loss, time in run["trace"]]
+        return run
+
+    monkeypatch.setattr(mc, "run_sim", slower_diloco)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
+             str(tmp_path)])
+    assert list(json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]["results"]) == [
+        "diloco"]
+
+
+def test_tuned_from_checks_every_scenario_before_any_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
+             str(tmp_path)])
+    ran = _methods_run(monkeypatch)
+    with pytest.raises(FileNotFoundError, match="no preemption"):
+        mc.main(["--workers", "6", "--scenarios", "jitter", "preemption", "--steps", "40", "--tuned-from", "4",
+                 "--methods", "diloco", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--steps 40 --inner-steps 10, not 60 and 10"):
+        mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "60", "--tuned-from", "4",
+                 "--methods", "diloco", "--out", str(tmp_path)])
+    assert not ran and not (tmp_path / "multicloud_n6.json").exists()
+
+
+def test_never_reached_is_drawn_above_every_measured_ratio():
+    records = [{"scenarios": {"a": {"results": {"m": {"ratios": [0.5, None]}}}}},
+               {"scenarios": {"b": {"results": {"m": {"ratios": [80.0, 3.0]}}}}}]
+    assert mc.never_height(records) > 80.0
 
 
 def test_a_size_tuned_from_another_keeps_its_tuning_seed_out_of_the_held_out_seeds(tmp_path, monkeypatch):
@@ -177,8 +239,11 @@ def test_a_size_tuned_from_another_keeps_its_tuning_seed_out_of_the_held_out_see
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
              str(tmp_path)])
     with pytest.raises(ValueError, match="tuned on seed 0"):
-        mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4", "--tuning-seed",
-                 "5", "--seeds", "0", "1", "--methods", "diloco", "--out", str(tmp_path)])
+        mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4",
+                 "--seeds", "0", "1", "--methods", "diloco", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # the source's tuning seed is the one recorded: another one is refused
+        mc.main(["--workers", "6", "--scenarios", "jitter", "--steps", "40", "--tuned-from", "4",
+                 "--tuning-seed", "5", "--methods", "diloco", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize(("output", "reason"), [
@@ -191,3 +256,24 @@ def test_a_size_tuned_from_another_keeps_its_tuning_seed_out_of_the_held_out_see
 ])
 def test_a_failed_run_is_reported_by_the_error_it_raised(output, reason):
     assert mc.SimRunError(output).reason == reason
+
+
+def test_a_run_keeps_hydras_error_line_and_a_hung_run_is_killed_and_reported(tmp_path, monkeypatch):
+    import subprocess
+
+    sim_runs = sys.modules["sim_runs"]
+    told = "Error locating target 'x.Y', set env var HYDRA_FULL_ERROR=1 to see chained stack trace."
+    monkeypatch.setattr(sim_runs.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(
+        command, 1, stdout=f"{told}\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"))
+    with pytest.raises(mc.SimRunError) as failed:
+        sim_runs.run_sim(["sim.workers=4"], tmp_path)
+    assert failed.value.reason == told
+
+    def hangs(command, timeout, **kwargs):
+        raise subprocess.TimeoutExpired(command, timeout)
+
+    monkeypatch.setattr(sim_runs.subprocess, "run", hangs)
+    monkeypatch.setattr(sim_runs, "RUN_TIMEOUT_S", 5.0)
+    with pytest.raises(mc.SimRunError) as hung:
+        sim_runs.run_sim(["sim.workers=4"], tmp_path)
+    assert hung.value.reason == "TimeoutError: no result after 5 s"

@@ -181,6 +181,8 @@ def test_app_with_churn_logs_live_workers_and_goodput(corpus, tmp_path):
     sim_app.simulate(cfg)
     record = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert record["sim"]["goodput"] < 1.0
+    every = 8 * 8 * cfg.data.batch_size * cfg.data.block_size  # 8 workers x 8 steps, had none been down
+    assert record["budget"]["tokens"] == pytest.approx(record["sim"]["goodput"] * every)  # H = 1: a round is a step
     with (tmp_path / "out" / record["metrics_csv"]).open() as file:
         alive = {float(r["comm/workers_alive"]) for r in csv.DictReader(file) if r["comm/workers_alive"]}
     assert min(alive) < 8

@@ -263,7 +263,7 @@ def _plot(runs: Sequence[dict[str, Any]], curves: Sequence[Curve], axis: str, xl
 def plot_curves(runs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     """Validation loss against tokens, bytes sent per worker and (when logged) simulated time."""
     curves = [read_curve(run) or Curve() for run in runs]
-    specs = [("tokens", "tokens seen (all workers)", "val_loss_vs_tokens.png", False),
+    specs = [("tokens", "tokens seen (summed over workers)", "val_loss_vs_tokens.png", False),
              ("bytes_sent", "bytes sent per worker (log scale)", "val_loss_vs_bytes.png", True)]
     if any(t is not None for curve in curves for t in curve.sim_time):
         specs.append(("sim_time", "simulated time (s)", "val_loss_vs_sim_time.png", False))

@@ -332,6 +332,7 @@ def _record(cfg: DictConfig, simulator: Simulator, parts: dict[str, Any], result
     data["sha256"] = datamodule.fingerprint.get("sha256")
     steps = result["steps"]
     tokens = result["tokens"]  # the live workers' batches: under churn, fewer than steps x workers x B x T
+    worker_steps = tokens // (simulator.batches.batch_size * simulator.batches.block_size)  # the live ones
     final = result["final"]
     return {
         "format": SUMMARY_FORMAT,
@@ -354,7 +355,7 @@ def _record(cfg: DictConfig, simulator: Simulator, parts: dict[str, Any], result
         "metrics_csv": METRICS_CSV,
         "sim": {"workers": workers, "goodput": result["goodput"], "estimated_bytes": parts["estimated_bytes"],
                 "down_fraction": cfg.sim.down_fraction if parts["churn"] is None else parts["churn"].down_fraction,
-                "joins": result["joins"], "device": str(cfg.sim.device), "worker_steps_per_s": workers * steps / result["wall_time_s"],
+                "joins": result["joins"], "device": str(cfg.sim.device), "worker_steps_per_s": worker_steps / result["wall_time_s"],
                 "sim_time_max": max(simulator.clocks.times()) if simulator.clocks.enabled else None,
                 "sim_time_max_also": {name: max(times) for name, times in simulator.clocks.times_also().items()}},
     }

@@ -4,7 +4,7 @@ A finished job's folder holds
 
 - ``summary.json`` (written by rank 0 at the end of fit, format below),
 - ``metrics.csv`` of Lightning's CSV logger (path in ``summary["metrics_csv"]``), where every
-  validation row also carries ``progress/tokens`` (all workers), ``progress/bytes_sent`` (mean
+  validation row also carries ``progress/tokens`` (summed over the workers that trained on them), ``progress/bytes_sent`` (mean
   per worker) and ``progress/wall_time_s`` at that step, so curves need no interpolation,
 - ``.hydra/`` (the composed config) when the job ran through the Hydra app.
 
