@@ -226,13 +226,16 @@ def check_methods(methods: tuple[str, ...]) -> tuple[str, ...]:
 _PROTOCOL = ("steps", "target_step", "inner_steps", "tuning_seed", "held_out_seeds", "tuned_at_workers")
 
 
+_REFERENCE_RTOL = 1e-4  # real multi-process runs (n = 8) differ run to run in the last digits of a loss
+
+
 def _same_reference(previous: dict, current: dict) -> bool:
     """Whether both records' ratios are to the same plain DiLoCo runs (its setting, target loss and time)."""
     if previous.get("tuning", {}).get("diloco", {}).get("label") != current["tuning"]["diloco"].get("label"):
         return False
     old = previous.get("results", {}).get("diloco", {}).get("seeds", {})
     new = current["results"]["diloco"]["seeds"]
-    return set(old) == set(new) and all(math.isclose(old[seed][key], new[seed][key], rel_tol=1e-6)
+    return set(old) == set(new) and all(math.isclose(old[seed][key], new[seed][key], rel_tol=_REFERENCE_RTOL)
                                         for seed in new for key in ("target_loss", "diloco_time"))
 
 
