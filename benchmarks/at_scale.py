@@ -160,36 +160,40 @@ def plot_acceleration(result: dict, path: Path) -> None:
 
 
 # The paper's H = 1 claim with fair partners: each side has one momentum and the same inner optimizer.
-# AdamW: both take the AdamW tuned for gossip at small scale (docs/results/tuned.json, seed 0, one_peer);
-# GASLoC's outer momentum is tuned on seed 0 here. SGD: GASLoC (plain inner SGD, outer momentum 0.9)
-# against gossip with heavy-ball SGD (momentum 0.9), whose lr is tuned on seed 0 here; plain gossip SGD
-# (no momentum anywhere: the former, unfair, partner) stays as a reference.
-_TUNED_ADAMW = ["model.optimizer.lr=0.006", "model.optimizer.betas=[0.8,0.95]"]
+# AdamW: gossip's lr is tuned here on seed 0 (betas from docs/results/tuned.json, one_peer), and GASLoC
+# takes the same AdamW, then its outer momentum is tuned on seed 0. SGD: GASLoC (plain inner SGD, outer
+# momentum 0.9) against gossip with heavy-ball SGD (momentum 0.9), whose lr is tuned on seed 0 here;
+# plain gossip SGD (no momentum anywhere: the former, unfair, partner) stays as a reference.
+_ADAMW_BETAS = "model.optimizer.betas=[0.8,0.95]"
 _GASLOC_H1 = ["strategy=gasloc", "inner_steps=1", "strategy.outer_lr=1.0"]
 _SGD = ["model/optimizer=sgd"]
 _H1_METHODS = {
-    "gossip_adamw": ["strategy=gossip", "topology=one_peer", *_TUNED_ADAMW],
-    "gasloc_adamw": [*_GASLOC_H1, "topology=one_peer", *_TUNED_ADAMW],  # + the tuned outer momentum
+    "gossip_adamw": ["strategy=gossip", "topology=one_peer", _ADAMW_BETAS],  # + the tuned lr
+    "gasloc_adamw": [*_GASLOC_H1, "topology=one_peer", _ADAMW_BETAS],  # + gossip's lr, + the tuned outer momentum
     "gossip_sgd_plain": ["strategy=gossip", "topology=one_peer", *_SGD, "model.optimizer.lr=1.0"],
     "gossip_sgd_momentum": ["strategy=gossip", "topology=one_peer", *_SGD, "model.optimizer.momentum=0.9"],  # + lr
     "gasloc_sgd": [*_GASLOC_H1, "topology=one_peer", *_SGD, "model.optimizer.lr=0.3", "strategy.outer_momentum=0.9"],
 }
 _H1_TUNING = {  # tuned on the first seed; the chosen value joins the method's overrides
-    "gasloc_adamw": {f"gamma={g}": [f"strategy.outer_momentum={g}"] for g in (0.3, 0.5, 0.7)},
-    "gossip_sgd_momentum": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.03, 0.1, 0.3)},
+    "gossip_adamw": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.003, 0.006, 0.012)},
+    "gasloc_adamw": {f"gamma={g}": [f"strategy.outer_momentum={g}"] for g in (0.1, 0.3, 0.5, 0.7)},
+    "gossip_sgd_momentum": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.03, 0.1, 0.3, 1.0)},
 }
+_H1_SAME_AS = {"gasloc_adamw": "gossip_adamw"}  # takes that method's tuned values before its own tuning
 
 
 def h1(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
     """Claim (1) at scale: H = 1, gossip against GASLoC with fair partners (see ``_H1_METHODS``)."""
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
-    runs, tuning = {}, {}
+    runs, tuning, chosen = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in _H1_METHODS.items():
+            extra = [*extra, *chosen.get(_H1_SAME_AS.get(name), [])]
             if name in _H1_TUNING:
                 best, losses = tuned_on(_H1_TUNING[name], base + extra, Path(tmp) / name, seeds[0], "paper_h1")
                 tuning[name] = {"tuning_seed": seeds[0], "losses": losses, "chosen": best}
-                extra = [*extra, *_H1_TUNING[name][best]]
+                chosen[name] = _H1_TUNING[name][best]
+                extra = [*extra, *chosen[name]]
                 print(name, "tuned on seed", seeds[0], losses, "->", best, flush=True)
             runs[name] = seeded(base + extra, Path(tmp) / name, seeds, experiment="paper_h1")
             print(describe(name, runs[name]), flush=True)
@@ -301,9 +305,12 @@ def plot_summary(folder: Path, path: Path) -> None:
         runs = json.loads((folder / "h1_n64.json").read_text())["runs"]
         names = list(runs)
         axes[1].bar(range(len(names)), [runs[k]["val_loss"] for k in names],
+                    yerr=[runs[k].get("val_loss_sd") or 0.0 for k in names], capsize=3,
                     color=["C0" if k.startswith("gossip") else "C1" for k in names])
         axes[1].set_xticks(range(len(names)), [k.replace("_", "\n") for k in names], fontsize=6)
-        axes[1].set(ylim=(2.1, 2.55), ylabel="val loss", title="3. H = 1 at n = 64 (gossip / gasloc)")
+        seeds = len(runs[names[0]].get("seeds") or [None])
+        axes[1].set(ylim=(2.1, 2.55), ylabel=f"val loss (mean ± sd, {seeds} seeds)",
+                    title="3. H = 1 at n = 64 (gossip / gasloc)")
     if (folder / "networks_n64.json").is_file():
         networks = json.loads((folder / "networks_n64.json").read_text())["networks"]
         for index, (network, runs) in enumerate(networks.items()):

@@ -57,3 +57,33 @@ def test_the_summary_figure_is_drawn_from_three_seed_and_one_seed_records(tmp_pa
     figure = tmp_path / "at_scale.png"
     at_scale.plot_summary(tmp_path, figure)
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
+
+
+def test_h1_tunes_on_the_first_seed_and_runs_the_chosen_value_on_every_seed(monkeypatch, tmp_path):
+    calls = []
+
+    def stand_in(overrides, out, experiment="demo"):  # lowest at gamma 0.5, at lr 0.1 (SGD) and 0.012 (AdamW)
+        calls.append(overrides)
+        best_lr = 0.1 if "model/optimizer=sgd" in overrides else 0.012
+        loss = 2.5 + abs(float(_value(overrides, "strategy.outer_momentum=", 0.9)) - 0.5)
+        loss += abs(float(_value(overrides, "model.optimizer.lr=", best_lr)) - best_lr)
+        return {"val_loss": loss + 0.01 * int(_value(overrides, "seed=")), "goodput": 1.0, "wall_time_s": 1.0,
+                "bytes_sent": 1.0, "outer_momentum": None, "trace": []}
+
+    monkeypatch.setattr(sys.modules["sim_runs"], "run_sim", stand_in)
+    result = at_scale.h1(8, 20, (0, 1, 2))
+    chosen = {name: tuning["chosen"] for name, tuning in result["tuning"].items()}
+    assert chosen == {"gossip_adamw": "lr=0.012", "gasloc_adamw": "gamma=0.5", "gossip_sgd_momentum": "lr=0.1"}
+    tuning_runs = [c for c in calls if any(label in " ".join(c) for label in ("momentum=0.7", "lr=0.03", "lr=0.003"))]
+    assert tuning_runs and all("seed=0" in c for c in tuning_runs)  # the grids run on the first seed only
+    assert all(sorted(run["seeds"], key=int) == ["0", "1", "2"] for run in result["runs"].values())
+    assert "strategy.outer_momentum=0.5" in result["runs"]["gasloc_adamw"]["overrides"]
+    assert "model.optimizer.lr=0.1" in result["runs"]["gossip_sgd_momentum"]["overrides"]
+    inner = [o for o in result["runs"]["gossip_adamw"]["overrides"] if o.startswith("model.optimizer")]
+    assert "model.optimizer.lr=0.012" in inner  # GASLoC takes gossip's tuned AdamW, tuned or not
+    assert all(o in result["runs"]["gasloc_adamw"]["overrides"] for o in inner)
+    assert all("model.optimizer.lr=0.012" in c for c in calls if "strategy.outer_momentum=0.7" in c)
+
+
+def _value(overrides: list[str], prefix: str, default=None) -> str:
+    return next((o[len(prefix):] for o in overrides if o.startswith(prefix)), default)
