@@ -13,8 +13,9 @@ Parts (``--part``):
 - ``quality``, ``churn``: ``gasloc-sim`` runs of the demo preset (tiny GPT, stdlib bytes) at equal
   tokens per worker; final consensus validation loss (mean and sd over ``--seeds``), and goodput under churn.
 - ``h1``: the paper's H = 1 claim at scale (``experiment=paper_h1``): gossip against GASLoC on one_peer
-  with fair partners (both with the same tuned inner AdamW; GASLoC's inner SGD against gossip's heavy-ball
-  SGD), the tuned values chosen on the first seed.
+  with fair partners (both with the same tuned inner AdamW; GASLoC's inner SGD, whose outer momentum is
+  Nesterov's, against gossip with Nesterov SGD, and with heavy-ball SGD), the tuned values chosen on
+  ``--tuning-seed`` and reported on the held-out ``--seeds``.
 - ``plots``: one figure of questions 2 to 5 from the JSON files the other parts wrote to ``--out``.
 - ``networks``: two_clusters and cloud_mix scaled to ``--workers`` (clusters in proportion, the
   presets' links): the simulated time at which GASLoC reaches DiLoCo's final loss.
@@ -23,10 +24,10 @@ Usage::
 
     python benchmarks/at_scale.py --part acceleration --out benchmarks/results/at_scale
     python benchmarks/at_scale.py --part quality --workers 16 --steps 100 --out benchmarks/results/at_scale
-    python benchmarks/at_scale.py --part h1 --workers 64 --steps 100 --out docs/at_scale
+    python benchmarks/at_scale.py --part h1 --workers 64 --steps 200 --seeds 1 2 3 --out docs/at_scale
     python benchmarks/at_scale.py --part networks --workers 64 --rounds 6 --inner-steps 10 --out docs/at_scale
 
-Results go to ``<out>/<part>.json`` and a plot ``<out>/<part>.png``.
+Results go to ``<out>/<part>_n<workers>.json`` (``<out>/acceleration.json`` and its plot for ``acceleration``).
 """
 
 from __future__ import annotations
@@ -160,10 +161,10 @@ def plot_acceleration(result: dict, path: Path) -> None:
 
 
 # The paper's H = 1 claim with fair partners: each side has one momentum and the same inner optimizer.
-# AdamW: gossip's lr is tuned here on seed 0 (betas from docs/results/tuned.json, one_peer), and GASLoC
-# takes the same AdamW, then its outer momentum is tuned on seed 0. SGD: GASLoC (plain inner SGD, outer
-# momentum 0.9) against gossip with heavy-ball SGD (momentum 0.9), whose lr is tuned on seed 0 here;
-# plain gossip SGD (no momentum anywhere: the former, unfair, partner) stays as a reference.
+# AdamW: gossip's lr is tuned here (betas from docs/results/tuned.json, one_peer), and GASLoC takes the same
+# AdamW, then its outer momentum is tuned. SGD: GASLoC (plain inner SGD, outer momentum 0.9, which is
+# Nesterov's: docs/algorithm.md) against gossip with Nesterov SGD and with heavy-ball SGD (momentum 0.9),
+# each lr tuned here; plain gossip SGD (no momentum anywhere: the former, unfair, partner) is a reference.
 _ADAMW_BETAS = "model.optimizer.betas=[0.8,0.95]"
 _GASLOC_H1 = ["strategy=gasloc", "inner_steps=1", "strategy.outer_lr=1.0"]
 _SGD = ["model/optimizer=sgd"]
@@ -172,32 +173,43 @@ _H1_METHODS = {
     "gasloc_adamw": [*_GASLOC_H1, "topology=one_peer", _ADAMW_BETAS],  # + gossip's lr, + the tuned outer momentum
     "gossip_sgd_plain": ["strategy=gossip", "topology=one_peer", *_SGD, "model.optimizer.lr=1.0"],
     "gossip_sgd_momentum": ["strategy=gossip", "topology=one_peer", *_SGD, "model.optimizer.momentum=0.9"],  # + lr
+    "gossip_sgd_nesterov": ["strategy=gossip", "topology=one_peer", *_SGD, "model.optimizer.momentum=0.9",
+                            "model.optimizer.nesterov=true"],  # + lr
     "gasloc_sgd": [*_GASLOC_H1, "topology=one_peer", *_SGD, "model.optimizer.lr=0.3", "strategy.outer_momentum=0.9"],
 }
 _H1_TUNING = {  # tuned on the first seed; the chosen value joins the method's overrides
     "gossip_adamw": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.003, 0.006, 0.012)},
     "gasloc_adamw": {f"gamma={g}": [f"strategy.outer_momentum={g}"] for g in (0.1, 0.3, 0.5, 0.7)},
     "gossip_sgd_momentum": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.03, 0.1, 0.3, 1.0)},
+    "gossip_sgd_nesterov": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.03, 0.1, 0.3, 1.0)},
 }
 _H1_SAME_AS = {"gasloc_adamw": "gossip_adamw"}  # takes that method's tuned values before its own tuning
+_H1_PAIRS = (("AdamW", "gasloc_adamw", "gossip_adamw"),  # (label, GASLoC, its gossip partner): the figure
+             ("SGD /\nNesterov", "gasloc_sgd", "gossip_sgd_nesterov"),
+             ("SGD /\nheavy ball", "gasloc_sgd", "gossip_sgd_momentum"),
+             ("SGD /\nplain", "gasloc_sgd", "gossip_sgd_plain"))
 
 
-def h1(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
-    """Claim (1) at scale: H = 1, gossip against GASLoC with fair partners (see ``_H1_METHODS``)."""
+def h1(workers: int, steps: int, seeds: tuple[int, ...], tuning_seed: int = 0) -> dict:
+    """Claim (1) at scale: H = 1, gossip against GASLoC with fair partners (see ``_H1_METHODS``), each tuned
+    value chosen on ``tuning_seed`` and every method reported on the held-out ``seeds``."""
+    if tuning_seed in seeds:
+        raise ValueError(f"the tuning seed {tuning_seed} cannot be one of the held-out seeds {list(seeds)}")
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
     runs, tuning, chosen = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in _H1_METHODS.items():
             extra = [*extra, *chosen.get(_H1_SAME_AS.get(name), [])]
             if name in _H1_TUNING:
-                best, losses = tuned_on(_H1_TUNING[name], base + extra, Path(tmp) / name, seeds[0], "paper_h1")
-                tuning[name] = {"tuning_seed": seeds[0], "losses": losses, "chosen": best}
+                best, losses = tuned_on(_H1_TUNING[name], base + extra, Path(tmp) / name, tuning_seed, "paper_h1")
+                tuning[name] = {"tuning_seed": tuning_seed, "losses": losses, "chosen": best}
                 chosen[name] = _H1_TUNING[name][best]
                 extra = [*extra, *chosen[name]]
-                print(name, "tuned on seed", seeds[0], losses, "->", best, flush=True)
+                print(name, "tuned on seed", tuning_seed, losses, "->", best, flush=True)
             runs[name] = seeded(base + extra, Path(tmp) / name, seeds, experiment="paper_h1")
             print(describe(name, runs[name]), flush=True)
-    return {"workers": workers, "steps": steps, "seeds": list(seeds), "tuning": tuning, "runs": runs}
+    return {"workers": workers, "steps": steps, "tuning_seed": tuning_seed, "seeds": list(seeds), "tuning": tuning,
+            "runs": runs}
 
 
 def _scaled_network(name: str, workers: int) -> list[str]:
@@ -303,14 +315,15 @@ def plot_summary(folder: Path, path: Path) -> None:
     axes[0].legend(fontsize=7)
     if (folder / "h1_n64.json").is_file():
         runs = json.loads((folder / "h1_n64.json").read_text())["runs"]
-        names = list(runs)
-        axes[1].bar(range(len(names)), [runs[k]["val_loss"] for k in names],
-                    yerr=[runs[k].get("val_loss_sd") or 0.0 for k in names], capsize=3,
-                    color=["C0" if k.startswith("gossip") else "C1" for k in names])
-        axes[1].set_xticks(range(len(names)), [k.replace("_", "\n") for k in names], fontsize=6)
-        seeds = len(runs[names[0]].get("seeds") or [None])
-        axes[1].set(ylim=(2.1, 2.55), ylabel=f"val loss (mean ± sd, {seeds} seeds)",
-                    title="3. H = 1 at n = 64 (gossip / gasloc)")
+        pairs = [(label, gasloc, gossip) for label, gasloc, gossip in _H1_PAIRS if gasloc in runs and gossip in runs]
+        means, sds = zip(*(mean_sd(paired_ratios(runs[gasloc], runs[gossip])) for _, gasloc, gossip in pairs))
+        axes[1].bar(range(len(pairs)), [m - 1.0 for m in means], bottom=1.0, yerr=sds, capsize=3,
+                    color=["C1" if m < 1.0 else "C0" for m in means])
+        axes[1].set_xticks(range(len(pairs)), [label for label, _, _ in pairs], fontsize=6)
+        axes[1].axhline(1.0, color="grey", lw=0.8)
+        seeds = len(paired_ratios(runs[pairs[0][1]], runs[pairs[0][2]]))
+        axes[1].set(ylabel=f"GASLoC / gossip val loss (paired, mean ± sd, {seeds} seed{'s' * (seeds > 1)})",
+                    title="3. H = 1 at n = 64 (below 1: GASLoC ahead)")
     if (folder / "networks_n64.json").is_file():
         networks = json.loads((folder / "networks_n64.json").read_text())["networks"]
         for index, (network, runs) in enumerate(networks.items()):
@@ -344,7 +357,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="networks: DiLoCo's rounds (GASLoC gets 1.5x)")
     parser.add_argument("--inner-steps", type=int, default=10, help="networks: H")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="quality, churn, h1: seeds run per configuration (h1 tunes on the first)")
+                        help="quality, churn, h1: seeds run per configuration (h1: the held-out seeds)")
+    parser.add_argument("--tuning-seed", type=int, default=0, help="h1: the seed its tuned values are chosen on")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/at_scale"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -357,7 +371,7 @@ def main() -> None:
     elif args.part == "quality":
         result = quality(args.workers, args.steps, tuple(args.seeds))
     elif args.part == "h1":
-        result = h1(args.workers, args.steps, tuple(args.seeds))
+        result = h1(args.workers, args.steps, tuple(args.seeds), args.tuning_seed)
     elif args.part == "networks":
         result = networks(args.workers, args.rounds, args.inner_steps)
     else:

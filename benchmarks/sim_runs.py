@@ -82,7 +82,13 @@ def time_to_reach(trace: Trace, target: float) -> float | None:
 def seeded(overrides: list[str], out: Path, seeds: tuple[int, ...], experiment: str = "demo") -> dict:
     """One configuration on every seed: the mean and sample sd of the final loss, and each seed's run
     (with its trace under ``traces``)."""
-    runs = {seed: run_sim([*overrides, f"seed={seed}"], out / f"seed{seed}", experiment) for seed in seeds}
+    return summarized(overrides, {seed: run_sim([*overrides, f"seed={seed}"], out / f"seed{seed}", experiment)
+                                  for seed in seeds})
+
+
+def summarized(overrides: list[str], runs: dict[int, dict]) -> dict:
+    """:func:`seeded`'s record of one configuration's runs, by seed (the first seed's bytes and momentum)."""
+    seeds = list(runs)
     losses = [run["val_loss"] for run in runs.values()]
     return {"overrides": overrides, "val_loss": statistics.mean(losses),
             "val_loss_sd": statistics.stdev(losses) if len(losses) > 1 else None,

@@ -55,11 +55,18 @@ def test_the_summary_figure_is_drawn_from_three_seed_and_one_seed_records(tmp_pa
     shares = {str(f): _run({"0": 2.5 + f, "1": 2.6 + f}) for f in (0.0, 0.1, 0.2)}
     (tmp_path / "churn_n16.json").write_text(json.dumps({"workers": 16, "runs": shares}))
     figure = tmp_path / "at_scale.png"
+    for seeds in (("1", "2", "3"), ("1",)):  # the H = 1 panel: paired ratios, over three seeds and over one
+        h1 = {name: _run({s: 2.2 + 0.01 * index + 0.001 * int(s) for s in seeds})
+              for index, name in enumerate(("gossip_adamw", "gasloc_adamw", "gasloc_sgd", "gossip_sgd_plain"))}
+        (tmp_path / "h1_n64.json").write_text(json.dumps({"workers": 64, "runs": h1}))
+        at_scale.plot_summary(tmp_path, figure)
+        assert figure.stat().st_size > 10_000
+        figure.unlink()
     at_scale.plot_summary(tmp_path, figure)
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
 
 
-def test_h1_tunes_on_the_first_seed_and_runs_the_chosen_value_on_every_seed(monkeypatch, tmp_path):
+def test_h1_tunes_on_its_seed_and_reports_the_held_out_seeds_with_fair_partners(monkeypatch, tmp_path):
     calls = []
 
     def stand_in(overrides, out, experiment="demo"):  # lowest at gamma 0.5, at lr 0.1 (SGD) and 0.012 (AdamW)
@@ -71,18 +78,28 @@ def test_h1_tunes_on_the_first_seed_and_runs_the_chosen_value_on_every_seed(monk
                 "bytes_sent": 1.0, "outer_momentum": None, "trace": []}
 
     monkeypatch.setattr(sys.modules["sim_runs"], "run_sim", stand_in)
-    result = at_scale.h1(8, 20, (0, 1, 2))
+    with pytest.raises(ValueError, match="tuning seed 1"):
+        at_scale.h1(8, 20, (1, 2), tuning_seed=1)
+    assert not calls
+    result = at_scale.h1(8, 20, (1, 2, 3), tuning_seed=0)
     chosen = {name: tuning["chosen"] for name, tuning in result["tuning"].items()}
-    assert chosen == {"gossip_adamw": "lr=0.012", "gasloc_adamw": "gamma=0.5", "gossip_sgd_momentum": "lr=0.1"}
-    tuning_runs = [c for c in calls if any(label in " ".join(c) for label in ("momentum=0.7", "lr=0.03", "lr=0.003"))]
-    assert tuning_runs and all("seed=0" in c for c in tuning_runs)  # the grids run on the first seed only
-    assert all(sorted(run["seeds"], key=int) == ["0", "1", "2"] for run in result["runs"].values())
-    assert "strategy.outer_momentum=0.5" in result["runs"]["gasloc_adamw"]["overrides"]
-    assert "model.optimizer.lr=0.1" in result["runs"]["gossip_sgd_momentum"]["overrides"]
-    inner = [o for o in result["runs"]["gossip_adamw"]["overrides"] if o.startswith("model.optimizer")]
-    assert "model.optimizer.lr=0.012" in inner  # GASLoC takes gossip's tuned AdamW, tuned or not
-    assert all(o in result["runs"]["gasloc_adamw"]["overrides"] for o in inner)
-    assert all("model.optimizer.lr=0.012" in c for c in calls if "strategy.outer_momentum=0.7" in c)
+    assert chosen == {"gossip_adamw": "lr=0.012", "gasloc_adamw": "gamma=0.5", "gossip_sgd_momentum": "lr=0.1",
+                      "gossip_sgd_nesterov": "lr=0.1"}
+    assert sum("seed=0" in c for c in calls) == 3 + 4 + 4 + 4  # the four grids, on the tuning seed only
+    assert all(sorted(run["seeds"], key=int) == ["1", "2", "3"] for run in result["runs"].values())
+    for call in calls:  # Hydra applies the last of two values for one key: every key is given once
+        keys = [o.split("=")[0] for o in call]
+        assert len(keys) == len(set(keys)), call
+    runs = {name: set(run["overrides"]) for name, run in result["runs"].items()}
+    assert {"strategy.outer_momentum=0.5", "model.optimizer.lr=0.012"} <= runs["gasloc_adamw"]
+    adamw = {o for o in runs["gossip_adamw"] if o.startswith("model.optimizer")}
+    assert "model.optimizer.lr=0.012" in adamw and adamw <= runs["gasloc_adamw"]  # the same tuned inner AdamW
+    assert {"model.optimizer.momentum=0.9", "model.optimizer.lr=0.1"} <= runs["gossip_sgd_momentum"]
+    assert {"model.optimizer.nesterov=true", "model.optimizer.lr=0.1"} <= runs["gossip_sgd_nesterov"]
+    assert {"model.optimizer.lr=0.3", "strategy.outer_momentum=0.9", "inner_steps=1"} <= runs["gasloc_sgd"]
+    assert not any(o.startswith("model.optimizer.momentum") for o in runs["gasloc_sgd"] | runs["gossip_sgd_plain"])
+    gamma_grid = [c for c in calls if "strategy=gasloc" in c and "model/optimizer=sgd" not in c and "seed=0" in c]
+    assert len(gamma_grid) == 4 and all("model.optimizer.lr=0.012" in c for c in gamma_grid)  # after gossip's tuning
 
 
 def _value(overrides: list[str], prefix: str, default=None) -> str:

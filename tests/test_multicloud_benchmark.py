@@ -213,6 +213,19 @@ def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_
     assert "gasloc_one_peer" in json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"][
         "results"]
 
+    def other_diloco(overrides, out):  # a reference 1e-3 away is another one (seeds differ by about 7e-4)
+        run = _stand_in_run(overrides, out)
+        if "strategy=diloco" in overrides:
+            run["trace"] = [(step, loss * (1 + 1e-3), time) for step, loss, time in run["trace"]]
+        return run
+
+    monkeypatch.setattr(mc, "run_sim", other_diloco)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
+             str(tmp_path)])
+    assert list(json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]["results"]) == [
+        "diloco"]
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])  # all again
+
     def slower_diloco(overrides, out):  # the reference moved (another simulator): every old ratio is void
         run = _stand_in_run(overrides, out)
         if "strategy=diloco" in overrides:
