@@ -322,8 +322,8 @@ def plot_summary(folder: Path, path: Path) -> None:
         axes[1].set_xticks(range(len(pairs)), [label for label, _, _ in pairs], fontsize=6)
         axes[1].axhline(1.0, color="grey", lw=0.8)
         seeds = len(paired_ratios(runs[pairs[0][1]], runs[pairs[0][2]]))
-        axes[1].set(ylabel=f"GASLoC / gossip val loss (paired, mean ± sd, {seeds} seed{'s' * (seeds > 1)})",
-                    title="3. H = 1 at n = 64 (below 1: GASLoC ahead)")
+        axes[1].set(ylabel=f"GASLoC / gossip val loss (paired, ± sd, {seeds} seed{'s' * (seeds > 1)})",
+                    title="3. H = 1, n = 64 (< 1: GASLoC ahead)")
     if (folder / "networks_n64.json").is_file():
         networks = json.loads((folder / "networks_n64.json").read_text())["networks"]
         for index, (network, runs) in enumerate(networks.items()):
