@@ -177,7 +177,7 @@ _H1_METHODS = {
                             "model.optimizer.nesterov=true"],  # + lr
     "gasloc_sgd": [*_GASLOC_H1, "topology=one_peer", *_SGD, "model.optimizer.lr=0.3", "strategy.outer_momentum=0.9"],
 }
-_H1_TUNING = {  # tuned on the first seed; the chosen value joins the method's overrides
+_H1_TUNING = {  # tuned on the tuning seed (not reported); the chosen value joins the method's overrides
     "gossip_adamw": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.003, 0.006, 0.012)},
     "gasloc_adamw": {f"gamma={g}": [f"strategy.outer_momentum={g}"] for g in (0.1, 0.3, 0.5, 0.7)},
     "gossip_sgd_momentum": {f"lr={lr}": [f"model.optimizer.lr={lr}"] for lr in (0.03, 0.1, 0.3, 1.0)},
@@ -190,9 +190,22 @@ _H1_PAIRS = (("AdamW", "gasloc_adamw", "gossip_adamw"),  # (label, GASLoC, its g
              ("SGD /\nplain", "gasloc_sgd", "gossip_sgd_plain"))
 
 
+def h1_bars(runs: dict[str, dict]) -> list[tuple[str, float, float, int]]:
+    """Panel 3's bars: (label, mean, sd, seeds) of GASLoC's paired per-seed ratio to each gossip partner of
+    :data:`_H1_PAIRS` that ``runs`` (an h1 record's) holds."""
+    bars = []
+    for label, gasloc, gossip in _H1_PAIRS:
+        if gasloc in runs and gossip in runs:
+            ratios = paired_ratios(runs[gasloc], runs[gossip])
+            bars.append((label, *mean_sd(ratios), len(ratios)))
+    return bars
+
+
 def h1(workers: int, steps: int, seeds: tuple[int, ...], tuning_seed: int = 0) -> dict:
     """Claim (1) at scale: H = 1, gossip against GASLoC with fair partners (see ``_H1_METHODS``), each tuned
     value chosen on ``tuning_seed`` and every method reported on the held-out ``seeds``."""
+    if not seeds:
+        raise ValueError("h1 needs at least one held-out seed")
     if tuning_seed in seeds:
         raise ValueError(f"the tuning seed {tuning_seed} cannot be one of the held-out seeds {list(seeds)}")
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
@@ -314,15 +327,14 @@ def plot_summary(folder: Path, path: Path) -> None:
     axes[0].minorticks_off()
     axes[0].legend(fontsize=7)
     if (folder / "h1_n64.json").is_file():
-        runs = json.loads((folder / "h1_n64.json").read_text())["runs"]
-        pairs = [(label, gasloc, gossip) for label, gasloc, gossip in _H1_PAIRS if gasloc in runs and gossip in runs]
-        means, sds = zip(*(mean_sd(paired_ratios(runs[gasloc], runs[gossip])) for _, gasloc, gossip in pairs))
-        axes[1].bar(range(len(pairs)), [m - 1.0 for m in means], bottom=1.0, yerr=sds, capsize=3,
+        bars = h1_bars(json.loads((folder / "h1_n64.json").read_text())["runs"])
+        labels, means, sds, seeds = zip(*bars) if bars else ((), (), (), ())
+        axes[1].bar(range(len(bars)), [m - 1.0 for m in means], bottom=1.0, yerr=sds, capsize=3,
                     color=["C1" if m < 1.0 else "C0" for m in means])
-        axes[1].set_xticks(range(len(pairs)), [label for label, _, _ in pairs], fontsize=6)
+        axes[1].set_xticks(range(len(bars)), labels, fontsize=6)
         axes[1].axhline(1.0, color="grey", lw=0.8)
-        seeds = len(paired_ratios(runs[pairs[0][1]], runs[pairs[0][2]]))
-        axes[1].set(ylabel=f"GASLoC / gossip val loss (paired, ± sd, {seeds} seed{'s' * (seeds > 1)})",
+        counts = "/".join(str(n) for n in sorted(set(seeds))) or "no"
+        axes[1].set(ylabel=f"GASLoC / gossip val loss (paired, ± sd, {counts} seeds)",
                     title="3. H = 1, n = 64 (< 1: GASLoC ahead)")
     if (folder / "networks_n64.json").is_file():
         networks = json.loads((folder / "networks_n64.json").read_text())["networks"]
@@ -371,6 +383,9 @@ def main() -> None:
     elif args.part == "quality":
         result = quality(args.workers, args.steps, tuple(args.seeds))
     elif args.part == "h1":
+        if args.tuning_seed in args.seeds:
+            parser.error(f"--part h1 reports held-out seeds: --seeds {' '.join(map(str, args.seeds))} must not "
+                         f"hold the tuning seed {args.tuning_seed} (e.g. --seeds 1 2 3)")
         result = h1(args.workers, args.steps, tuple(args.seeds), args.tuning_seed)
     elif args.part == "networks":
         result = networks(args.workers, args.rounds, args.inner_steps)

@@ -1,10 +1,15 @@
-"""Is the (eta, gamma) grid of ``benchmarks/multicloud.py`` wide enough? Runs extra grid points on the tuning
-seed at one size and says, per scenario and method, whether any would have beaten the recorded choice.
+"""Is the outer-step grid of ``benchmarks/multicloud.py`` wide enough? Runs points beyond it on the tuning seed
+and says, per scenario and method, whether any beats the recorded choice by the rule that made the choice
+(plain DiLoCo: loss at the target step; the others: time to the target, then final loss).
 
-The recorded choices (``docs/multicloud/multicloud_n<W>.json``) sit at eta = 0.7, gamma = 0.5: the smallest
-effective outer step, eta / (1 - gamma), of both grids. The extra points go below it. Plain DiLoCo's chosen
-point is rerun on the tuning seed to give the target (and to check the record reproduces); nothing in the
-record is changed. Output: ``grid_probe_n<W>.json`` next to the record.
+:data:`EXTRA_OUTER` lies below both grids' smallest effective outer step eta / (1 - gamma) (1.4): 1.0. A method
+with a codec choice (``gasloc_compressed``) keeps its chosen codec at the extra points.
+
+Plain DiLoCo's recorded choice is rerun on the tuning seed and must reproduce its recorded loss at the target
+step (within :data:`multicloud._REFERENCE_RTOL`, else the probe stops): that loss is the target the extra points
+are timed against, as the recorded scores were. If one of DiLoCo's own extra points beats its choice, the target
+itself would move: ``target_moves`` says so, and the other rows then answer only against the recorded target.
+The record is not changed. Output: ``grid_probe_n<W>.json`` next to the record.
 
     python benchmarks/multicloud_grid_probe.py --workers 64 --out docs/multicloud
 """
@@ -18,48 +23,97 @@ import tempfile
 from pathlib import Path
 
 import multicloud as mc
+from sim_runs import SimRunError
 
-EXTRA = mc._outer_grid(((0.5, 0.5), (0.7, 0.3)))  # effective outer steps 1.0 (the grids' smallest: 1.4)
-PROBED = ("diloco", "streaming_diloco", "gasloc_one_peer", "gasloc_bw_spread", "gasloc_streamed")
+EXTRA_OUTER = ((0.5, 0.5), (0.7, 0.3))
+PROBED = ("diloco", "streaming_diloco", "gasloc_one_peer", "gasloc_bw_spread", "gasloc_compressed", "gasloc_streamed")
+_CODEC = "strategy.message_codec="
+
+
+def extra_points(chosen_overrides: tuple[str, ...] | list[str]) -> dict[str, tuple[str, ...]]:
+    """The extra (eta, gamma) points, each with the chosen codec when the choice named one."""
+    codec = [o for o in chosen_overrides if o.startswith(_CODEC)]
+    prefix = "".join(f"{o[len(_CODEC):]}," for o in codec)
+    return {f"{prefix}eta={eta},gamma={gamma}": (*codec, f"strategy.outer_lr={eta}", f"strategy.outer_momentum={gamma}")
+            for eta, gamma in EXTRA_OUTER}
 
 
 def _key(score: dict) -> tuple[float, float]:
-    return (score["time_to_target"] or math.inf, score["val_loss"])
+    """The order ``Scenario.tune`` chooses by: time to the target (never reached last), then final loss."""
+    return (math.inf if score["time_to_target"] is None else score["time_to_target"], score["val_loss"])
 
 
-def probe(workers: int, out: Path, scenarios: tuple[str, ...]) -> dict:
-    record = json.loads((out / f"multicloud_n{workers}.json").read_text())["scenarios"]
-    result: dict = {"workers": workers, "extra_points": list(EXTRA), "scenarios": {}}
+def recorded(out: Path, workers: int, scenarios: tuple[str, ...]) -> dict[str, dict]:
+    """Each scenario's record at ``workers``, which must have been tuned there (not ``--tuned-from``)."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    for name in scenarios:
+        mc.scenario_overrides(name)  # validates the name
+    path = out / f"multicloud_n{workers}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run benchmarks/multicloud.py --workers {workers} first")
+    record = json.loads(path.read_text())["scenarios"]
+    missing = [name for name in scenarios if name not in record]
+    if missing:
+        raise ValueError(f"{path} has no record of {missing}")
+    elsewhere = {name: record[name]["tuned_at_workers"] for name in scenarios
+                 if record[name].get("tuned_at_workers", workers) != workers}
+    if elsewhere:
+        raise ValueError(f"{path}: {elsewhere} were tuned at another worker count (--tuned-from); probe that size")
+    return {name: record[name] for name in scenarios}
+
+
+def _probe_diloco(scenario: mc.Scenario, rec: dict) -> tuple[dict, tuple[float, float]]:
+    seed, tuning = rec["tuning_seed"], rec["tuning"]["diloco"]
+    target = scenario.target(scenario.run("diloco", tuple(tuning["overrides"]), seed, tuning["label"]))
+    recorded_loss = tuning["losses"][tuning["label"]]
+    if not math.isclose(target[0], recorded_loss, rel_tol=mc._REFERENCE_RTOL):
+        raise ValueError(f"{scenario.name}: plain DiLoCo's {tuning['label']} on seed {seed} gave {target[0]} at the "
+                         f"target step, the record {recorded_loss}: the record is not reproduced, probe refused")
+    losses = {label: scenario.target(scenario.run("diloco", extra, seed, label))[0]
+              for label, extra in extra_points(tuning["overrides"]).items()}
+    beaten_by = [label for label, loss in losses.items() if loss < recorded_loss]
+    return {"chosen": tuning["label"], "recorded_loss": recorded_loss, "rerun_loss": target[0],
+            "extra_losses": losses, "beaten_by": beaten_by}, target
+
+
+def _probe_method(scenario: mc.Scenario, method: str, tuning: dict, seed: int, target: tuple[float, float]) -> dict:
+    best = tuning["scores"][tuning["label"]]
+    try:
+        scores = {label: scenario.score(scenario.run(method, extra, seed, label), target)
+                  for label, extra in extra_points(tuning["overrides"]).items()}
+    except SimRunError as error:
+        return {"chosen": tuning["label"], "error": error.reason}
+    return {"chosen": tuning["label"], "chosen_score": best, "extra_scores": scores,
+            "beaten_by": [label for label, score in scores.items() if _key(score) < _key(best)]}
+
+
+def probe(workers: int, out: Path, scenarios: tuple[str, ...], methods: tuple[str, ...] = PROBED) -> dict:
+    """Runs the extra points of ``methods`` (those each scenario's record tuned) and writes the probe record."""
+    unknown = sorted(set(methods) - set(PROBED))
+    if unknown or "diloco" not in methods:
+        raise ValueError(f"methods must be among {list(PROBED)} and include diloco (its choice sets the target), "
+                         f"got {list(methods)}")
+    records = recorded(out, workers, scenarios)
+    result: dict = {"workers": workers, "extra_outer": [list(point) for point in EXTRA_OUTER], "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
         clock_only = tuple(s for s in mc.CLOCK_ONLY if s in scenarios)
         shared = mc.SharedRuns(clock_only, Path(tmp))
-        for name in scenarios:
-            rec = record[name]
+        for name, rec in records.items():
             runs = shared if name in clock_only else mc.SharedRuns((name,), Path(tmp))
             scenario = mc.Scenario(name, workers, rec["target_step"], rec["inner_steps"], runs)
-            seed = rec["tuning_seed"]
-            chosen_label = rec["tuning"]["diloco"]["label"]
-            reference = scenario.run("diloco", tuple(rec["tuning"]["diloco"]["overrides"]), seed, chosen_label)
-            target = scenario.target(reference)
-            diloco = {label: scenario.target(scenario.run("diloco", extra, seed, label))[0]
-                      for label, extra in EXTRA.items()}
-            rows = {"diloco": {"chosen": chosen_label, "recorded_loss": rec["tuning"]["diloco"]["losses"][chosen_label],
-                               "rerun_loss": target[0], "extra_losses": diloco,
-                               "beaten_by": [l for l, v in diloco.items() if v < target[0]]}}
+            rows, target = {}, None
+            rows["diloco"], target = _probe_diloco(scenario, rec)
             print(name, "diloco", rows["diloco"], flush=True)
-            for method in PROBED[1:]:
+            for method in (m for m in PROBED[1:] if m in methods):
                 tuning = rec["tuning"].get(method)
-                if tuning is None or "error" in tuning:
+                if tuning is None or "error" in tuning:  # not run, or the scenario cannot run it
                     continue
-                best = tuning["scores"][tuning["label"]]
-                scores = {label: scenario.score(scenario.run(method, extra, seed, label), target)
-                          for label, extra in EXTRA.items()}
-                rows[method] = {"chosen": tuning["label"], "chosen_score": best, "extra_scores": scores,
-                                "beaten_by": [l for l, s in scores.items() if _key(s) < _key(best)]}
-                print(name, method, "chosen", tuning["label"], _key(best), {l: _key(s) for l, s in scores.items()},
-                      flush=True)
-            result["scenarios"][name] = rows
-            (out / f"grid_probe_n{workers}.json").write_text(json.dumps(result, indent=2) + "\n")
+                rows[method] = _probe_method(scenario, method, tuning, rec["tuning_seed"], target)
+                print(name, method, rows[method].get("beaten_by", rows[method].get("error")), flush=True)
+            result["scenarios"][name] = {"target_moves": bool(rows["diloco"]["beaten_by"]),
+                                         "target_loss": target[0], "methods": rows}
+            mc._write(out / f"grid_probe_n{workers}.json", result)
     return result
 
 
@@ -67,9 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--scenarios", nargs="+", default=list(mc.SCENARIOS), choices=mc.SCENARIOS)
+    parser.add_argument("--methods", nargs="+", default=list(PROBED), choices=PROBED)
     parser.add_argument("--out", type=Path, default=Path("docs/multicloud"))
     args = parser.parse_args(argv)
-    probe(args.workers, args.out, tuple(args.scenarios))
+    try:
+        probe(args.workers, args.out, tuple(args.scenarios), tuple(args.methods))
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

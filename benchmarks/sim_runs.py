@@ -88,6 +88,8 @@ def seeded(overrides: list[str], out: Path, seeds: tuple[int, ...], experiment: 
 
 def summarized(overrides: list[str], runs: dict[int, dict]) -> dict:
     """:func:`seeded`'s record of one configuration's runs, by seed (the first seed's bytes and momentum)."""
+    if not runs:
+        raise ValueError("summarized needs at least one run")
     seeds = list(runs)
     losses = [run["val_loss"] for run in runs.values()]
     return {"overrides": overrides, "val_loss": statistics.mean(losses),

@@ -55,15 +55,26 @@ def test_the_summary_figure_is_drawn_from_three_seed_and_one_seed_records(tmp_pa
     shares = {str(f): _run({"0": 2.5 + f, "1": 2.6 + f}) for f in (0.0, 0.1, 0.2)}
     (tmp_path / "churn_n16.json").write_text(json.dumps({"workers": 16, "runs": shares}))
     figure = tmp_path / "at_scale.png"
-    for seeds in (("1", "2", "3"), ("1",)):  # the H = 1 panel: paired ratios, over three seeds and over one
-        h1 = {name: _run({s: 2.2 + 0.01 * index + 0.001 * int(s) for s in seeds})
-              for index, name in enumerate(("gossip_adamw", "gasloc_adamw", "gasloc_sgd", "gossip_sgd_plain"))}
+    for seeds in (("1", "2", "3"), ("1",), ()):  # the H = 1 panel: over three seeds, over one, no pair at all
+        names = ("gossip_adamw", "gasloc_adamw", "gasloc_sgd", "gossip_sgd_nesterov") if seeds else ("gasloc_sgd",)
+        h1 = {name: _run({s: 2.2 + 0.01 * index + 0.001 * int(s) for s in seeds or ("1",)})
+              for index, name in enumerate(names)}
         (tmp_path / "h1_n64.json").write_text(json.dumps({"workers": 64, "runs": h1}))
         at_scale.plot_summary(tmp_path, figure)
         assert figure.stat().st_size > 10_000
         figure.unlink()
     at_scale.plot_summary(tmp_path, figure)
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
+
+
+def test_the_h1_bars_are_gasloc_over_each_partner_that_ran_paired_by_seed():
+    runs = {"gasloc_adamw": _run({"1": 2.0, "2": 3.0}), "gossip_adamw": _run({"1": 2.5, "2": 2.0, "3": 9.0}),
+            "gasloc_sgd": _run({"1": 1.0, "2": 1.0}), "gossip_sgd_nesterov": _run({"1": 2.0, "2": 4.0})}
+    bars = at_scale.h1_bars(runs)  # heavy-ball and plain gossip did not run: no bar
+    assert [(label, n) for label, _, _, n in bars] == [("AdamW", 2), ("SGD /\nNesterov", 2)]
+    assert bars[0][1:3] == pytest.approx(at_scale.mean_sd([0.8, 1.5]))
+    assert bars[1][1:3] == pytest.approx(at_scale.mean_sd([0.5, 0.25]))
+    assert at_scale.h1_bars({"gasloc_sgd": runs["gasloc_sgd"]}) == []
 
 
 def test_h1_tunes_on_its_seed_and_reports_the_held_out_seeds_with_fair_partners(monkeypatch, tmp_path):
@@ -80,8 +91,11 @@ def test_h1_tunes_on_its_seed_and_reports_the_held_out_seeds_with_fair_partners(
     monkeypatch.setattr(sys.modules["sim_runs"], "run_sim", stand_in)
     with pytest.raises(ValueError, match="tuning seed 1"):
         at_scale.h1(8, 20, (1, 2), tuning_seed=1)
+    with pytest.raises(ValueError, match="at least one held-out seed"):
+        at_scale.h1(8, 20, (), tuning_seed=0)
     assert not calls
     result = at_scale.h1(8, 20, (1, 2, 3), tuning_seed=0)
+    assert result["tuning_seed"] == 0 and all(t["tuning_seed"] == 0 for t in result["tuning"].values())
     chosen = {name: tuning["chosen"] for name, tuning in result["tuning"].items()}
     assert chosen == {"gossip_adamw": "lr=0.012", "gasloc_adamw": "gamma=0.5", "gossip_sgd_momentum": "lr=0.1",
                       "gossip_sgd_nesterov": "lr=0.1"}

@@ -224,7 +224,10 @@ def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_
              str(tmp_path)])
     assert list(json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]["results"]) == [
         "diloco"]
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])  # all again
+    rebuilt = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
+    assert set(rebuilt["tuning"]) == set(mc.METHODS)  # against the stand-in's own DiLoCo, not the 1e-3 one
 
     def slower_diloco(overrides, out):  # the reference moved (another simulator): every old ratio is void
         run = _stand_in_run(overrides, out)
