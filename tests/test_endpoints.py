@@ -268,6 +268,9 @@ def test_bound_gloo_group_listens_on_bind_and_close_releases_it():
         for group in groups:
             group.close()
         assert not _wait_released(baseline | {("127.0.0.2", store.port)})
+        with pytest.raises(RuntimeError, match="closed"):  # a quorum arriving after the leave builds nothing
+            groups[0].configure(address, "r0", 0, 2)
+        assert not _wait_released(baseline | {("127.0.0.2", store.port)})
     finally:
         del store
     assert not _wait_released(baseline)

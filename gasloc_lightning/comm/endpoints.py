@@ -226,8 +226,9 @@ class BoundProcessGroupGloo(_TorchftGloo):
     Tear-down: gloo's ``abort()`` and ``shutdown()`` close nothing in torch 2.13; its listener, connections
     and threads go when the last reference to the backend goes. torchft's ``configure()`` aborts and drops
     the previous group before building the next one, and its ``shutdown()`` only drops the reference.
-    :meth:`close` aborts the group and drops this wrapper's reference (the group can be configured again);
-    drop any ``Work`` of the group too.
+    :meth:`close` aborts the group and drops this wrapper's reference; drop any ``Work`` of the group too. A
+    closed group refuses :meth:`configure`: a torchft quorum still in flight when its worker shut down must not
+    build a new gloo listener behind it.
 
     Args:
         endpoint: where gloo listens (and what it tells peers): see :attr:`Endpoint.gloo_host`.
@@ -243,10 +244,17 @@ class BoundProcessGroupGloo(_TorchftGloo):
             raise ValueError(f"timeout must be a timedelta > 0, got {timeout!r}")
         super().__init__(timeout=timeout)
         self._endpoint = endpoint
+        self._closed = False
 
     @property
     def endpoint(self) -> Endpoint:
         return self._endpoint
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args: Any, **kwargs: Any) -> None:
+        """torchft's ``configure`` (abort the previous group, build the next one), refused once closed."""
+        if self._closed:
+            raise RuntimeError(f"this gloo group was closed; it cannot be configured again (replica {replica_id})")
+        super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _C10dGroup:
         backend = self._gloo_backend(store, rank, world_size)
@@ -278,7 +286,9 @@ class BoundProcessGroupGloo(_TorchftGloo):
         return devices
 
     def close(self) -> None:
-        """Abort pending collectives and drop the group (gloo closes its sockets with the last reference)."""
+        """Abort pending collectives and drop the group (gloo closes its sockets with the last reference); the
+        group cannot be configured again."""
+        self._closed = True
         self.abort(errored=False)
 
 

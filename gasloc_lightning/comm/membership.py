@@ -291,10 +291,9 @@ class ElasticMembership:
         manager, self._manager = self._manager, None
         if manager is not None:
             manager.shutdown(wait=False)  # the state transport, the manager server, the quorum thread
-            # A quorum asked for before the leave may still be in flight on torchft's quorum thread; if it came
-            # back after the gloo group below is released, it would configure it again. torchft 0.2.0 does not
-            # cancel that request (it runs until the lighthouse answers or quorum_timeout): wait a bounded time.
-            # Past it, a late quorum can still configure the group for the seconds before the process exits.
+            # A quorum asked for before the leave may still be in flight on torchft's quorum thread. torchft 0.2.0
+            # does not cancel that request (it runs until the lighthouse answers or quorum_timeout): wait a bounded
+            # time. Past it, a late quorum finds the gloo group below closed, and its configure() is refused.
             in_flight = getattr(manager, "_quorum_future", None)
             if in_flight is not None:
                 concurrent.futures.wait([in_flight], timeout=_QUORUM_DRAIN_S)
