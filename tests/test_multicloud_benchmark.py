@@ -201,25 +201,23 @@ def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_
     assert "gasloc_streamed" not in scenario["results"] and "error" in scenario["tuning"]["gasloc_streamed"]
     assert "gasloc_one_peer" in scenario["results"]  # not tried now: kept
 
-    def noisy_diloco(overrides, out):  # a real multi-process rerun: the same reference up to the last digits
-        run = _stand_in_run(overrides, out)
-        if "strategy=diloco" in overrides:
-            run["trace"] = [(step, loss * (1 + 1e-5), time) for step, loss, time in run["trace"]]
-        return run
+    def diloco_off_by(relative):  # plain DiLoCo's losses moved by ``relative``, nothing else
+        def run_sim(overrides, out):
+            run = _stand_in_run(overrides, out)
+            if "strategy=diloco" in overrides:
+                run["trace"] = [(step, loss * (1 + relative), time) for step, loss, time in run["trace"]]
+            return run
+        return run_sim
 
-    monkeypatch.setattr(mc, "run_sim", noisy_diloco)
+    # a real multi-process rerun: the same reference up to the last digits
+    monkeypatch.setattr(mc, "run_sim", diloco_off_by(1e-5))
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
              str(tmp_path)])
     assert "gasloc_one_peer" in json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"][
         "results"]
 
-    def other_diloco(overrides, out):  # a reference 1e-3 away is another one (seeds differ by about 7e-4)
-        run = _stand_in_run(overrides, out)
-        if "strategy=diloco" in overrides:
-            run["trace"] = [(step, loss * (1 + 1e-3), time) for step, loss, time in run["trace"]]
-        return run
-
-    monkeypatch.setattr(mc, "run_sim", other_diloco)
+    # a reference 1e-3 away is another one (seeds differ by about 7e-4)
+    monkeypatch.setattr(mc, "run_sim", diloco_off_by(1e-3))
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
              str(tmp_path)])
     assert list(json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]["results"]) == [
