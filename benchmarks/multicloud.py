@@ -124,6 +124,11 @@ class SharedRuns:
         return {**run, "trace": trace}
 
 
+def tuning_key(score: dict) -> tuple[float, float]:
+    """The order a method's grid points are chosen by: time to the target (never reached last), then final loss."""
+    return (math.inf if score["time_to_target"] is None else score["time_to_target"], score["val_loss"])
+
+
 class Scenario:
     """One scenario at n workers: tune each of ``methods`` on the tuning seed, then run the held-out seeds.
 
@@ -177,7 +182,7 @@ class Scenario:
                 chosen[method] = {"error": error.reason}
                 print(f"  {method}: cannot run here: {chosen[method]['error']}", flush=True)
                 continue
-            label = min(scores, key=lambda k: (scores[k]["time_to_target"] or math.inf, scores[k]["val_loss"]))
+            label = min(scores, key=lambda k: tuning_key(scores[k]))
             chosen[method] = {"label": label, "overrides": grid[label], "scores": scores}
             print(f"  tuned {method}: {label}", flush=True)
         return chosen

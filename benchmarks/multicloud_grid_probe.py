@@ -9,7 +9,8 @@ Plain DiLoCo's recorded choice is rerun on the tuning seed and must reproduce it
 step (within :data:`multicloud._REFERENCE_RTOL`, else the probe stops): that loss is the target the extra points
 are timed against, as the recorded scores were. If one of DiLoCo's own extra points beats its choice, the target
 itself would move: ``target_moves`` says so, and the other rows then answer only against the recorded target.
-The record is not changed. Output: ``grid_probe_n<W>.json`` next to the record.
+The record is not changed. Output: ``grid_probe_n<W>.json`` next to the record, replaced whole by each run
+(it names the methods asked for; a method missing from a scenario was not tuned in its record).
 
     python benchmarks/multicloud_grid_probe.py --workers 64 --out docs/multicloud
 """
@@ -36,11 +37,6 @@ def extra_points(chosen_overrides: tuple[str, ...] | list[str]) -> dict[str, tup
     prefix = "".join(f"{o[len(_CODEC):]}," for o in codec)
     return {f"{prefix}eta={eta},gamma={gamma}": (*codec, f"strategy.outer_lr={eta}", f"strategy.outer_momentum={gamma}")
             for eta, gamma in EXTRA_OUTER}
-
-
-def _key(score: dict) -> tuple[float, float]:
-    """The order ``Scenario.tune`` chooses by: time to the target (never reached last), then final loss."""
-    return (math.inf if score["time_to_target"] is None else score["time_to_target"], score["val_loss"])
 
 
 def recorded(out: Path, workers: int, scenarios: tuple[str, ...]) -> dict[str, dict]:
@@ -85,7 +81,8 @@ def _probe_method(scenario: mc.Scenario, method: str, tuning: dict, seed: int, t
     except SimRunError as error:
         return {"chosen": tuning["label"], "error": error.reason}
     return {"chosen": tuning["label"], "chosen_score": best, "extra_scores": scores,
-            "beaten_by": [label for label, score in scores.items() if _key(score) < _key(best)]}
+            "beaten_by": [label for label, score in scores.items()
+                          if mc.tuning_key(score) < mc.tuning_key(best)]}
 
 
 def probe(workers: int, out: Path, scenarios: tuple[str, ...], methods: tuple[str, ...] = PROBED) -> dict:
@@ -95,7 +92,8 @@ def probe(workers: int, out: Path, scenarios: tuple[str, ...], methods: tuple[st
         raise ValueError(f"methods must be among {list(PROBED)} and include diloco (its choice sets the target), "
                          f"got {list(methods)}")
     records = recorded(out, workers, scenarios)
-    result: dict = {"workers": workers, "extra_outer": [list(point) for point in EXTRA_OUTER], "scenarios": {}}
+    result: dict = {"workers": workers, "extra_outer": [list(point) for point in EXTRA_OUTER],
+                    "methods": [m for m in PROBED if m in methods], "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
         clock_only = tuple(s for s in mc.CLOCK_ONLY if s in scenarios)
         shared = mc.SharedRuns(clock_only, Path(tmp))
@@ -111,7 +109,9 @@ def probe(workers: int, out: Path, scenarios: tuple[str, ...], methods: tuple[st
                     continue
                 rows[method] = _probe_method(scenario, method, tuning, rec["tuning_seed"], target)
                 print(name, method, rows[method].get("beaten_by", rows[method].get("error")), flush=True)
-            result["scenarios"][name] = {"target_moves": bool(rows["diloco"]["beaten_by"]),
+            result["scenarios"][name] = {"tuning_seed": rec["tuning_seed"], "target_step": rec["target_step"],
+                                         "inner_steps": rec["inner_steps"],
+                                         "target_moves": bool(rows["diloco"]["beaten_by"]),
                                          "target_loss": target[0], "methods": rows}
             mc._write(out / f"grid_probe_n{workers}.json", result)
     return result
@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         probe(args.workers, args.out, tuple(args.scenarios), tuple(args.methods))
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
+    except SimRunError as error:  # the scenarios probed before it are in the output already
+        parser.exit(1, f"{parser.prog}: a run failed: {error.reason}\n")
 
 
 if __name__ == "__main__":

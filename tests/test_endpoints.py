@@ -35,6 +35,7 @@ pytestmark = [
 torchft = pytest.importorskip("torchft")
 
 import torchft.manager  # noqa: E402
+import torchft.process_group  # noqa: E402
 from torchft import Manager  # noqa: E402
 from torchft.checkpointing.transport import CheckpointTransport  # noqa: E402
 from torchft.coordination import LighthouseServer  # noqa: E402
@@ -274,6 +275,24 @@ def test_bound_gloo_group_listens_on_bind_and_close_releases_it():
     finally:
         del store
     assert not _wait_released(baseline)
+
+
+def test_a_group_closed_while_it_is_configured_keeps_nothing_it_built(monkeypatch):
+    group = BoundProcessGroupGloo(endpoint=Endpoint(), timeout=SECONDS)
+    aborted = []
+
+    class Built:  # what the rendezvous built: the group must abort it
+        def abort(self):
+            aborted.append(True)
+
+    def rendezvous_during_which_the_worker_leaves(self, *args, **kwargs):
+        group.close()  # the leave, while the rendezvous still runs
+        self._pg = Built()  # then the rendezvous completes
+
+    monkeypatch.setattr(torchft.process_group.ProcessGroupGloo, "configure", rendezvous_during_which_the_worker_leaves)
+    with pytest.raises(RuntimeError, match="closed while it was configured"):
+        group.configure("127.0.0.1:1/quorum/1", "r0", 0, 2)
+    assert aborted == [True] and group._pg is None
 
 
 @pytest.mark.timeout(30)

@@ -22,6 +22,10 @@ def _load():
 
 probe = _load()
 CALLS: list[list[str]] = []
+EXTRA_CURVES = {  # GASLoC at the extra points: (0.5, 0.5) reaches the target sooner but ends higher,
+    (0.5, 0.5): lambda step: max(5.0 - 0.03 * step, 4.5),  # (0.7, 0.3) reaches it later but ends lower
+    (0.7, 0.3): lambda step: 5.0 - 0.002 * step if step < 60 else 4.0,
+}
 
 
 def _value(overrides: list[str], key: str) -> float:
@@ -36,10 +40,8 @@ def _curve(overrides: list[str]):
     if "strategy=diloco" in overrides:
         rate = {(0.5, 0.5): 0.013, (0.7, 0.5): 0.011, (0.7, 0.3): 0.009}.get(outer, 0.010)
         return lambda step: 5.0 - rate * step
-    if outer == (0.5, 0.5):
-        return lambda step: max(5.0 - 0.03 * step, 4.5)
-    if outer == (0.7, 0.3):
-        return lambda step: 5.0 - 0.002 * step if step < 60 else 4.0
+    if outer in EXTRA_CURVES:
+        return EXTRA_CURVES[outer]
     rate = 0.012 if "strategy.message_codec=int4" in overrides else 0.010
     return lambda step: 5.0 - rate * step
 
@@ -88,6 +90,19 @@ def test_a_point_beats_the_choice_only_by_the_rule_that_chose_it(record):
     assert "gasloc_bw_spread" not in rows  # the record says jitter cannot run it
     assert record.read_text() == before
     assert json.loads((record.parent / "grid_probe_n4.json").read_text()) == result
+
+
+def test_at_equal_time_to_the_target_the_lower_final_loss_wins_and_never_reaching_it_loses(record, monkeypatch):
+    # the choice (rate 0.010) reaches 4.56 at step 50 and ends at 4.40
+    monkeypatch.setitem(EXTRA_CURVES, (0.5, 0.5), lambda step: 5.0 - 0.010 * step if step < 60 else 4.35)  # tie, lower
+    monkeypatch.setitem(EXTRA_CURVES, (0.7, 0.3), lambda step: 5.0 - 0.010 * step if step < 60 else 4.45)  # tie, higher
+    rows = probe.probe(4, record.parent, ("jitter",), ("diloco", "gasloc_one_peer"))["scenarios"]["jitter"]["methods"]
+    assert rows["gasloc_one_peer"]["beaten_by"] == ["eta=0.5,gamma=0.5"]
+    monkeypatch.setitem(EXTRA_CURVES, (0.5, 0.5), lambda step: 4.9)  # never reaches the target: last, whatever its loss
+    monkeypatch.setitem(EXTRA_CURVES, (0.7, 0.3), lambda step: 4.9)
+    rows = probe.probe(4, record.parent, ("jitter",), ("diloco", "gasloc_one_peer"))["scenarios"]["jitter"]["methods"]
+    assert rows["gasloc_one_peer"]["beaten_by"] == []
+    assert all(score["time_to_target"] is None for score in rows["gasloc_one_peer"]["extra_scores"].values())
 
 
 def test_a_record_that_does_not_reproduce_is_refused(record):

@@ -255,6 +255,9 @@ class BoundProcessGroupGloo(_TorchftGloo):
         if self._closed:
             raise RuntimeError(f"this gloo group was closed; it cannot be configured again (replica {replica_id})")
         super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+        if self._closed:  # closed while the rendezvous ran: drop what it built
+            self.abort(errored=False)
+            raise RuntimeError(f"this gloo group was closed while it was configured (replica {replica_id})")
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _C10dGroup:
         backend = self._gloo_backend(store, rank, world_size)

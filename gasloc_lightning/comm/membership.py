@@ -293,7 +293,8 @@ class ElasticMembership:
             manager.shutdown(wait=False)  # the state transport, the manager server, the quorum thread
             # A quorum asked for before the leave may still be in flight on torchft's quorum thread. torchft 0.2.0
             # does not cancel that request (it runs until the lighthouse answers or quorum_timeout): wait a bounded
-            # time. Past it, a late quorum finds the gloo group below closed, and its configure() is refused.
+            # time. Past it, a late quorum finds the gloo group below closed, and its configure() is refused (torchft
+            # logs that refusal as "got exception in pg configure" with a traceback; the worker has left).
             in_flight = getattr(manager, "_quorum_future", None)
             if in_flight is not None:
                 concurrent.futures.wait([in_flight], timeout=_QUORUM_DRAIN_S)
