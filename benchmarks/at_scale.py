@@ -207,7 +207,8 @@ def h1(workers: int, steps: int, seeds: tuple[int, ...], tuning_seed: int = 0) -
     if not seeds:
         raise ValueError("h1 needs at least one held-out seed")
     if tuning_seed in seeds:
-        raise ValueError(f"the tuning seed {tuning_seed} cannot be one of the held-out seeds {list(seeds)}")
+        raise ValueError(f"the tuning seed {tuning_seed} cannot be one of the held-out seeds {list(seeds)} "
+                         f"(e.g. --seeds 1 2 3 with --tuning-seed 0)")
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
     runs, tuning, chosen = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -383,10 +384,10 @@ def main() -> None:
     elif args.part == "quality":
         result = quality(args.workers, args.steps, tuple(args.seeds))
     elif args.part == "h1":
-        if args.tuning_seed in args.seeds:
-            parser.error(f"--part h1 reports held-out seeds: --seeds {' '.join(map(str, args.seeds))} must not "
-                         f"hold the tuning seed {args.tuning_seed} (e.g. --seeds 1 2 3)")
-        result = h1(args.workers, args.steps, tuple(args.seeds), args.tuning_seed)
+        try:
+            result = h1(args.workers, args.steps, tuple(args.seeds), args.tuning_seed)
+        except ValueError as error:  # h1 checks its seeds before any run
+            parser.error(str(error))
     elif args.part == "networks":
         result = networks(args.workers, args.rounds, args.inner_steps)
     else:

@@ -100,8 +100,8 @@ def probe(workers: int, out: Path, scenarios: tuple[str, ...], methods: tuple[st
         for name, rec in records.items():
             runs = shared if name in clock_only else mc.SharedRuns((name,), Path(tmp))
             scenario = mc.Scenario(name, workers, rec["target_step"], rec["inner_steps"], runs)
-            rows, target = {}, None
-            rows["diloco"], target = _probe_diloco(scenario, rec)
+            diloco, target = _probe_diloco(scenario, rec)
+            rows = {"diloco": diloco}
             print(name, "diloco", rows["diloco"], flush=True)
             for method in (m for m in PROBED[1:] if m in methods):
                 tuning = rec["tuning"].get(method)
