@@ -112,6 +112,63 @@ def test_workers_exit_when_their_launcher_is_killed(tmp_path, fresh_port):
     assert_all_gone([pid for pid in pids if pid != process.pid], within=15)
 
 
+LAUNCHER_FAILS = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    sys.path.insert(0, {tests!r})
+    from dist_utils import TinyRegressor
+    from gasloc_lightning import GASLoCStrategy
+
+    OUT = Path({out!r})
+
+    class PidsAndFailure(Callback):
+        def on_train_start(self, trainer, pl_module):
+            (OUT / f"pid{{trainer.global_rank}}").write_text(str(os.getpid()))
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_rank == 0 and trainer.global_step == 3:
+                while len(list(OUT.glob("pid*"))) < 3:
+                    time.sleep(0.1)
+                raise RuntimeError("the launching worker broke")
+
+    if __name__ == "__main__":
+        strategy = GASLoCStrategy(inner_steps=2, gossip_timeout=30.0, start_method="popen")
+        trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=strategy, max_steps=400, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                             limit_val_batches=0, default_root_dir=str(OUT), callbacks=[PidsAndFailure()])
+        try:
+            trainer.fit(TinyRegressor())
+        except RuntimeError:
+            time.sleep(7)  # longer than Lightning's process observer's period (5 s)
+            print("the launching process outlived its stopped workers", flush=True)
+            sys.exit(3)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_launcher_reports_its_error_and_stops_every_worker(tmp_path, fresh_port):
+    script = tmp_path / "run.py"
+    script.write_text(LAUNCHER_FAILS.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(fresh_port()), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        pids = wait_for_pids(tmp_path, 3, timeout=60)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    # the launcher is not killed by Lightning's observer for a worker it stopped itself
+    assert process.returncode == 3, output[-3000:]
+    assert "the launching process outlived its stopped workers" in output
+    assert "RuntimeError: the launching worker broke" in output  # said before the workers were stopped
+    assert_all_gone(pids, within=15)
+
+
 FORK_AFTER_OPENMP = textwrap.dedent(
     """
     import os, sys

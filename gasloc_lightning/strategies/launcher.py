@@ -54,7 +54,12 @@ class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
-        except BaseException:
+        except BaseException as error:
+            if any(proc.poll() is None for proc in self.procs):
+                # said before the workers go: Lightning's process observer may kill this process once it sees one
+                # of them stopped, before the traceback is printed
+                log.error("the launching worker failed (%s: %s); stopping the worker processes it started",
+                          type(error).__name__, error)
             self.stop_workers()
             raise
 
@@ -66,11 +71,17 @@ class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
             os.environ.pop(LAUNCHER_PID_ENV, None)
 
     def stop_workers(self) -> None:
-        """Stop every worker process still running: SIGTERM, then SIGKILL after ``grace_s``."""
-        for proc in self.procs:
+        """Stop every worker process still running: SIGTERM, then SIGKILL after ``grace_s``.
+
+        The workers are first taken out of the list Lightning's process observer watches (the same list object),
+        so that the observer, seeing a worker this launcher stopped, does not SIGKILL the launching process
+        while it stops the others and reports its own error."""
+        procs = list(self.procs)
+        self.procs.clear()
+        for proc in procs:
             if proc.poll() is None:
                 log.info("stopping worker process pid=%d", proc.pid)
-        terminate(self.procs, self.grace_s)
+        terminate(procs, self.grace_s)
 
 
 class ShardedResultsLauncher(_MultiProcessingLauncher):

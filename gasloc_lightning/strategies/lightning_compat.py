@@ -14,6 +14,10 @@ import lightning.pytorch as pl
 # - `_configure_launcher` and `_launcher`, `_start_method`: to put StoppingSubprocessLauncher in place;
 # - `_ddp_kwargs`: the DDP arguments inside a worker (its process group);
 # - `_layer_sync`: to refuse sync_batchnorm.
+# `_SubprocessScriptLauncher.procs` is the very list `_launch_process_observer` watches: StoppingSubprocessLauncher
+# empties it before stopping the workers, so the observer does not SIGKILL the launching process for a worker
+# it stopped (if Lightning copies the list, the launcher may be killed before it prints its error:
+# test_a_failing_launcher_reports_its_error_and_stops_every_worker catches it).
 # Sharded workers (intra_worker="fsdp"), after Lightning's ModelParallelStrategy:
 # - `LightningModule._device_mesh`: set in setup_environment so `self.device_mesh` reaches configure_model
 #   (a rename leaves the module unsharded, which the strategy refuses with a TypeError);
