@@ -56,10 +56,10 @@ class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException as error:
             if any(proc.poll() is None for proc in self.procs):
-                # said before the workers go: Lightning's process observer may kill this process once it sees one
-                # of them stopped, before the traceback is printed
-                log.error("the launching worker failed (%s: %s); stopping the worker processes it started",
-                          type(error).__name__, error)
+                # said before the workers go, in case anything cuts this process short before its traceback
+                cause = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+                log.error("the launching process stopped (%s); stopping the worker processes it started "
+                          "(SIGTERM, SIGKILL after %g s)", cause, self.grace_s)
             self.stop_workers()
             raise
 
@@ -81,7 +81,13 @@ class StoppingSubprocessLauncher(_SubprocessScriptLauncher):
         for proc in procs:
             if proc.poll() is None:
                 log.info("stopping worker process pid=%d", proc.pid)
-        terminate(procs, self.grace_s)
+        try:
+            terminate(procs, self.grace_s)
+        except BaseException:  # a second Ctrl-C during the grace: no more grace
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            raise
 
 
 class ShardedResultsLauncher(_MultiProcessingLauncher):

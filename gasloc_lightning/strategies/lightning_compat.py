@@ -14,10 +14,14 @@ import lightning.pytorch as pl
 # - `_configure_launcher` and `_launcher`, `_start_method`: to put StoppingSubprocessLauncher in place;
 # - `_ddp_kwargs`: the DDP arguments inside a worker (its process group);
 # - `_layer_sync`: to refuse sync_batchnorm.
-# `_SubprocessScriptLauncher.procs` is the very list `_launch_process_observer` watches: StoppingSubprocessLauncher
-# empties it before stopping the workers, so the observer does not SIGKILL the launching process for a worker
-# it stopped (if Lightning copies the list, the launcher may be killed before it prints its error:
-# test_a_failing_launcher_reports_its_error_and_stops_every_worker catches it).
+# Lightning's popen launcher (`_SubprocessScriptLauncher`), subclassed by StoppingSubprocessLauncher:
+# - `_call_children_scripts`: overridden to put the launcher's pid in the workers' environment;
+# - `procs`: rebound to a new list in `_call_children_scripts`, then handed as is (not copied) to
+#   `_launch_process_observer`, whose thread ends when the list is empty (`all([])`). The launcher empties it
+#   before stopping the workers, so the observer does not SIGKILL the launching process for a worker it
+#   stopped itself (cutting short its traceback and whatever the script does after catching the error).
+#   If Lightning copies the list, test_a_failing_launcher_reports_its_error_and_stops_every_worker (slow,
+#   distributed: run it on each upgrade) fails.
 # Sharded workers (intra_worker="fsdp"), after Lightning's ModelParallelStrategy:
 # - `LightningModule._device_mesh`: set in setup_environment so `self.device_mesh` reaches configure_model
 #   (a rename leaves the module unsharded, which the strategy refuses with a TypeError);
