@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-SCRIPT = textwrap.dedent(
+PREAMBLE = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
@@ -26,10 +26,15 @@ SCRIPT = textwrap.dedent(
 
     OUT = Path({out!r})
 
-    class PidsAndStall(Callback):
+    class WritesPid(Callback):
         def on_train_start(self, trainer, pl_module):
             (OUT / f"pid{{trainer.global_rank}}").write_text(str(os.getpid()))
+    """
+)
 
+SCRIPT = PREAMBLE + textwrap.dedent(
+    """
+    class PidsAndStall(WritesPid):
         def on_train_batch_end(self, trainer, pl_module, *args):
             if trainer.global_rank == {stalled_rank} and trainer.global_step == 5:
                 time.sleep(600)
@@ -112,22 +117,9 @@ def test_workers_exit_when_their_launcher_is_killed(tmp_path, fresh_port):
     assert_all_gone([pid for pid in pids if pid != process.pid], within=15)
 
 
-LAUNCHER_FAILS = textwrap.dedent(
+LAUNCHER_FAILS = PREAMBLE + textwrap.dedent(
     """
-    import os, sys, time
-    from pathlib import Path
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
-    sys.path.insert(0, {tests!r})
-    from dist_utils import TinyRegressor
-    from gasloc_lightning import GASLoCStrategy
-
-    OUT = Path({out!r})
-
-    class PidsAndFailure(Callback):
-        def on_train_start(self, trainer, pl_module):
-            (OUT / f"pid{{trainer.global_rank}}").write_text(str(os.getpid()))
-
+    class PidsAndFailure(WritesPid):
         def on_train_batch_end(self, trainer, pl_module, *args):
             if trainer.global_rank == 0 and trainer.global_step == 3:
                 while len(list(OUT.glob("pid*"))) < 3:
