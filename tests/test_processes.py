@@ -81,9 +81,10 @@ def assert_all_gone(pids: list[int], within: float) -> None:
     assert survivors == [], f"worker processes still running: {survivors}"
 
 
-def launch(tmp_path: Path, stalled_rank: int, port: int) -> subprocess.Popen:
+def launch(tmp_path: Path, port: int, template: str, **fields: object) -> subprocess.Popen:
+    """Run ``template`` (a script of this module, filled with ``fields``) as the launching process."""
     script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path), stalled_rank=stalled_rank))
+    script.write_text(template.format(tests=str(Path(__file__).parent), out=str(tmp_path), **fields))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -92,7 +93,7 @@ def launch(tmp_path: Path, stalled_rank: int, port: int) -> subprocess.Popen:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("stalled_rank", [2], ids=["child_stalls"])
 def test_a_stalled_worker_leaves_no_process_behind(tmp_path, fresh_port, stalled_rank):
-    process = launch(tmp_path, stalled_rank, fresh_port())
+    process = launch(tmp_path, fresh_port(), SCRIPT, stalled_rank=stalled_rank)
     try:
         pids = wait_for_pids(tmp_path, 3, timeout=60)
         output, _ = process.communicate(timeout=90)
@@ -106,7 +107,7 @@ def test_a_stalled_worker_leaves_no_process_behind(tmp_path, fresh_port, stalled
 
 @pytest.mark.timeout(120)
 def test_workers_exit_when_their_launcher_is_killed(tmp_path, fresh_port):
-    process = launch(tmp_path, stalled_rank=-1, port=fresh_port())
+    process = launch(tmp_path, fresh_port(), SCRIPT, stalled_rank=-1)
     try:
         pids = wait_for_pids(tmp_path, 3, timeout=60)
         process.kill()  # SIGKILL: no handler of the launcher runs
@@ -143,11 +144,7 @@ LAUNCHER_FAILS = PREAMBLE + textwrap.dedent(
 
 @pytest.mark.timeout(120)
 def test_a_failing_launcher_reports_its_error_and_stops_every_worker(tmp_path, fresh_port):
-    script = tmp_path / "run.py"
-    script.write_text(LAUNCHER_FAILS.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(fresh_port()), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = launch(tmp_path, fresh_port(), LAUNCHER_FAILS)
     try:
         pids = wait_for_pids(tmp_path, 3, timeout=45)
         output, _ = process.communicate(timeout=45)
