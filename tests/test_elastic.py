@@ -27,6 +27,7 @@ from gasloc_lightning.app.elastic import (  # noqa: E402
 )
 from gasloc_lightning.app.elastic_worker import load_worker_config  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
+from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
 
 HOST = "127.0.0.1"  # every service binds loopback unless told otherwise
@@ -179,16 +180,17 @@ def test_strategy_arguments_are_validated(arguments, message):
 
 
 def test_momentum_is_checked_for_every_allowed_quorum_size():
-    strategy = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, min_workers=2, max_workers=4,
-                                     inner_steps=2)
+    strategy = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, max_workers=4, inner_steps=2)
     strategy.check_configuration(1)
     assert 0.0 < strategy.outer_momentum < 1.0
     # post_mix with gamma 0.99 on one_peer is stable for 2 and 4 workers but not for 3: a quorum of 3 can happen.
-    unstable = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, min_workers=2, max_workers=4,
+    unstable = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, max_workers=4,
                                      outer_momentum=0.99, outer_form="post_mix", topology="one_peer")
     with pytest.raises(ValueError, match="unstable .* with 3 workers"):
         unstable.check_configuration(1)
-    two_peer = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, min_workers=2, topology="two_peer")
+    with pytest.warns(SplitQuorumWarning):  # a quorum of 2 must be allowed for two_peer to refuse it
+        two_peer = ElasticGASLoCStrategy(lighthouse=f"{HOST}:29510", worker_id=0, min_workers=2, topology="two_peer",
+                                         allow_split_quorum=True)
     with pytest.raises(ValueError, match="world_size >= 3"):
         two_peer.check_configuration(1)
     with pytest.raises(ValueError, match="one process per worker"):

@@ -53,10 +53,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
+from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.comm.endpoints import Endpoint, host_port
 from gasloc_lightning.comm.membership import lighthouse_reachable
+from gasloc_lightning.comm.quorum_floor import is_split_quorum, quorum_floor, split_warning
 from gasloc_lightning.comm.wire import SECRET_ENV, new_secret
 from gasloc_lightning.strategies.launcher import set_parent_death_signal, terminate
 
@@ -80,8 +82,9 @@ class ElasticSchema:
     lighthouse_port: int | None = None
     bind: str = LOOPBACK
     advertise: str | None = None
-    min_workers: int = 2
+    min_workers: int | None = None
     max_workers: int | None = None
+    allow_split_quorum: bool = False
     chaos: list[str] = field(default_factory=list)
     random_chaos: int = 0
     chaos_seed: int = 0
@@ -316,6 +319,8 @@ class ElasticRun:
     # ---------------------------------------------------------------- start
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for line in quorum_lines(self.elastic):
+            print(line, flush=True)
         print(f"secret: {'from ' + SECRET_ENV if self._secret_given else 'a new one for this run'} "
               "(the workers get it in their environment)", flush=True)
         if self.address is None:
@@ -367,7 +372,7 @@ class ElasticRun:
     def _start_lighthouse(self) -> None:
         bind = self.endpoint.bind
         port = self.elastic.lighthouse_port or free_port(bind)
-        command = lighthouse_command(port, self.elastic.min_workers, self.elastic.join_timeout_ms,
+        command = lighthouse_command(port, min_workers_of(self.elastic), self.elastic.join_timeout_ms,
                                      self.elastic.heartbeat_timeout_ms, bind=bind)
         if self.placement is not None:
             command = self.placement.lighthouse_command(command)
@@ -388,7 +393,7 @@ class ElasticRun:
                                    f"(see {self.run_dir / 'lighthouse.log'})")
             time.sleep(0.1)
         print(f"lighthouse {self.address} bind={host_port(bind, port)} pid={self.lighthouse.pid} "
-              f"min_workers={self.elastic.min_workers}", flush=True)
+              f"min_workers={min_workers_of(self.elastic)}", flush=True)
 
     def _write_worker_config(self, worker: int) -> WorkerRecord:
         output_dir = self.run_dir / f"worker_{worker}"
@@ -631,10 +636,12 @@ class ElasticRun:
                 "val_loss": final.get("val_loss"), "finished": status == "finished",
                 "model_checksum": progress.get("model_checksum"), "failed_exchanges": progress.get("failed_exchanges"),
                 "failed_collectives": progress.get("failed_collectives"), "checkpoint": progress.get("checkpoint"),
+                "final_checkpoint": progress.get("final_checkpoint"),
                 "resumed_from": None if record.resume_from is None else str(record.resume_from),
             })
         return {"lighthouse": self.address, "bind": self.endpoint.bind, "chaos": [str(e) for e in self.events],
                 "interrupted": self.interrupted, "workers": rows, "pids": self.started_pids,
+                "models": [{"checksum": g.checksum, "workers": list(g.workers)} for g in model_groups(rows)],
                 "lighthouse_pid": None if self.lighthouse is None else self.lighthouse.pid}
 
 
@@ -706,8 +713,9 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
         if strategy.get("outer_momentum") is None:
             strategy.pop("outer_momentum", None)  # DiLoCo's 0.9
     strategy.update(
-        lighthouse=lighthouse, worker_id=worker, min_workers=elastic.min_workers,
-        max_workers=elastic.max_workers or elastic.workers, connect_timeout=elastic.connect_timeout,
+        lighthouse=lighthouse, worker_id=worker, min_workers=min_workers_of(elastic),
+        max_workers=max_workers_of(elastic), allow_split_quorum=bool(elastic.allow_split_quorum),
+        connect_timeout=elastic.connect_timeout,
         quorum_timeout=elastic.quorum_timeout, gossip_timeout=elastic.gossip_timeout,
         transfer_timeout=elastic.transfer_timeout, first_quorum_delay=0.0, cpu_threads=elastic.cpu_threads,
         bind=elastic.bind, advertise=elastic.advertise, leave_grace_s=elastic.leave_grace_s,
@@ -724,9 +732,32 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
 def chaos_schedule(cfg: DictConfig) -> list[ChaosEvent]:
     """``elastic.chaos`` and the ``elastic.random_chaos`` seeded events, in firing order."""
     elastic = cfg.elastic
-    drawn = random_chaos(elastic.random_chaos, elastic.workers, cfg.trainer.max_steps, elastic.min_workers,
+    drawn = random_chaos(elastic.random_chaos, elastic.workers, cfg.trainer.max_steps, min_workers_of(elastic),
                          elastic.chaos_seed)
     return sorted([*parse_chaos(list(elastic.chaos), elastic.workers), *drawn], key=lambda event: event.step)
+
+
+def max_workers_of(elastic: DictConfig) -> int:
+    """The most workers the run allows: ``elastic.max_workers``, else ``elastic.workers``."""
+    return elastic.max_workers or elastic.workers
+
+
+def min_workers_of(elastic: DictConfig) -> int:
+    """``elastic.min_workers``, or a majority of :func:`max_workers_of` when unset (``null``); a smaller one is refused
+    without ``elastic.allow_split_quorum`` (see :mod:`gasloc_lightning.comm.quorum_floor`)."""
+    return quorum_floor(elastic.min_workers, max_workers_of(elastic), allow_split_quorum=elastic.allow_split_quorum,
+                        prefix="elastic.")
+
+
+def quorum_lines(elastic: DictConfig) -> list[str]:
+    """What the run's quorum floor is and why, as the launcher prints it (a warning first, when it can split)."""
+    floor, allowed = min_workers_of(elastic), max_workers_of(elastic)
+    workers = f"{allowed} workers" if allowed == elastic.workers else f"elastic.max_workers={allowed}"
+    if is_split_quorum(floor, allowed):
+        return [f"warning: {split_warning(floor, allowed, prefix='elastic.')}",
+                f"quorum: min_workers={floor}, NOT a majority of {workers}"]
+    how = "a majority" if elastic.min_workers is None else "at least a majority"
+    return [f"quorum: min_workers={floor}, {how} of {workers} (one side of a partition trains, the other waits)"]
 
 
 def check_elastic(cfg: DictConfig) -> None:
@@ -736,11 +767,14 @@ def check_elastic(cfg: DictConfig) -> None:
         raise ValueError(f"elastic.method must be 'gasloc' or 'diloco', got {elastic.method!r}")
     if elastic.workers < 1:
         raise ValueError(f"elastic.workers must be >= 1, got {elastic.workers}")
-    if not 1 <= elastic.min_workers <= elastic.workers:
-        raise ValueError(f"elastic.min_workers must lie in [1, elastic.workers={elastic.workers}], got {elastic.min_workers}")
     if elastic.max_workers is not None and elastic.max_workers < elastic.workers:
         raise ValueError(f"elastic.max_workers={elastic.max_workers} is below elastic.workers={elastic.workers}: the "
                          "surplus workers would be refused at their first quorum")
+    min_workers = min_workers_of(elastic)
+    if min_workers > elastic.workers:
+        why = f" (a majority of elastic.max_workers={elastic.max_workers})" if elastic.min_workers is None else ""
+        raise ValueError(f"elastic.min_workers={min_workers}{why} exceeds elastic.workers={elastic.workers}: no quorum "
+                         "could form; start more workers or lower elastic.max_workers")
     if elastic.leave_grace_s < 0:
         raise ValueError(f"elastic.leave_grace_s must be >= 0 seconds, got {elastic.leave_grace_s:g}")
     if elastic.lighthouse is None and not elastic.join_timeout_ms > 1000 * elastic.gossip_timeout:
@@ -776,6 +810,7 @@ def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = 
     Raises:
         ElasticInterrupted: Ctrl-C or SIGTERM (in the main thread): the workers left, each with its checkpoint.
         RuntimeError: a worker failed or was refused (named, with its error).
+        SplitRunError: the finished workers ended on more than one model (each named, and the merge command).
     """
     check_choices(cfg)
     check_budget(cfg.trainer)
@@ -807,6 +842,7 @@ def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = 
         raise ElasticInterrupted(signum, f"gasloc-elastic: interrupted by {signal.Signals(signum).name}; the workers "
                                          f"left (resume with elastic.resume=true output_dir={run.run_dir})")
     raise_if_failed(run, summary)
+    raise_if_split(summary, run.run_dir, prefix="gasloc-elastic: ")
     return summary
 
 
@@ -846,9 +882,13 @@ def _main_thread() -> bool:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="elastic/app")
 def main(cfg: DictConfig) -> None:
-    """Console entry point ``gasloc-elastic`` (exit status 128 + the signal's number when interrupted)."""
+    """Console entry point ``gasloc-elastic`` (exit status 128 + the signal's number when interrupted; 3 when the
+    run ended on more than one model)."""
     try:
         run_elastic(cfg)
+    except SplitRunError as split:
+        print(split, file=sys.stderr, flush=True)
+        raise SystemExit(SPLIT_EXIT_CODE) from None
     except ElasticInterrupted as interrupted:
         print(interrupted, file=sys.stderr, flush=True)
         raise SystemExit(128 + interrupted.signum) from None

@@ -10,7 +10,8 @@ Besides the usual ``summary.json`` and ``metrics.csv``, the worker keeps ``progr
 folder (rewritten atomically at every step): what the launcher watches to run a chaos schedule and to
 print the quorum size. Its final ``state`` is ``done`` (trained to the end), ``left`` (SIGTERM: it left
 the run; after a clean leave its own replica is checkpointed in ``checkpoints/left``, which
-``ckpt_path`` resumes), ``refused`` (surplus past ``max_workers``) or ``failed``.
+``ckpt_path`` resumes), ``refused`` (surplus past ``max_workers``) or ``failed``. A worker that trained to the end
+saves its model in ``checkpoints/final`` (weights only; ``gasloc-export`` reads it).
 
 The run's secret comes from the environment (``GASLOC_ELASTIC_SECRET``), never from the config file.
 """
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 PROGRESS_FILE = "progress.json"
 LEAVE_CHECKPOINT = "checkpoints/left"  # inside the worker's folder: its replica after a clean leave
+FINAL_CHECKPOINT = "checkpoints/final"  # its model at the end of the run (weights only: what gasloc-export reads)
 # Set by the launcher for a warm restart: the worker builds everything, then waits for this file to exist
 # before it joins (so a scheduled restart is not delayed by the seconds of importing torch).
 HOLD_FILE_ENV = "GASLOC_ELASTIC_HOLD_FILE"
@@ -171,6 +173,10 @@ def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str,
     left = getattr(trainer.strategy, "left", False)
     if left:  # it left at a batch's start (SIGTERM between two rounds): nothing was saved inside the loop
         extra["checkpoint"] = progress.checkpoint or save_leave_checkpoint(trainer, output_dir)
+    else:  # the run's model: what gasloc-export reads, and what merges the models of a run that split
+        path = Path(output_dir) / FINAL_CHECKPOINT
+        trainer.save_checkpoint(path, weights_only=True)
+        extra["final_checkpoint"] = str(path)
     write_progress(output_dir, progress.record(trainer, "left" if left else "done", **extra))
     return 0
 

@@ -8,9 +8,12 @@ from gasloc_lightning.plugins.per_rank import CheckpointFormatError, export_cons
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``gasloc-export CKPT_DIR OUT.ckpt [--trust-checkpoint-code]``: average the replicas into one checkpoint."""
+    """``gasloc-export CKPT_DIR [CKPT_DIR ...] OUT.ckpt [--trust-checkpoint-code]``: average the replicas into one
+    checkpoint (several directories: one weight each, e.g. the models of an elastic run that split)."""
     parser = argparse.ArgumentParser(prog="gasloc-export", description=export_consensus.__doc__.splitlines()[0])
-    parser.add_argument("checkpoint_dir", help="a per-rank checkpoint directory written by GASLoC or DiLoCo (path or URL)")
+    parser.add_argument("checkpoint_dir", nargs="+",
+                        help="a per-rank checkpoint directory written by GASLoC or DiLoCo (path or URL); several are "
+                             "merged with one weight each (each one's replicas averaged first)")
     parser.add_argument("output", help="path or URL of the single-file consensus checkpoint to write")
     parser.add_argument(
         "--trust-checkpoint-code", action="store_true",
@@ -23,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointFormatError as error:
         parser.exit(2, f"gasloc-export: error: {error}\n")
     print(
-        f"averaged {report['replicas']} replicas ({report['world_size']} rank files) into {args.output} "
+        f"averaged {report['replicas']} replicas ({report['world_size']} rank files"
+        f"{'' if report['directories'] == 1 else ', ' + str(report['directories']) + ' directories, one weight each'}) "
+        f"into {args.output} "
         f"(consensus distance averaged away: {report['consensus_distance']:.6g})"
     )
     return 0

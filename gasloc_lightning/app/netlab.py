@@ -47,8 +47,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import NetlabSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic import (ELASTIC_SUMMARY_FILE, ElasticAppSchema, ElasticInterrupted, ElasticRun,
-                                          check_elastic, print_table, raise_if_failed)
+                                          check_elastic, max_workers_of, print_table, raise_if_failed)
+from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, raise_if_split
 from gasloc_lightning.app.train import check_budget
+from gasloc_lightning.comm.quorum_floor import majority
 from gasloc_lightning.netlab import (Fault, FaultSchedule, Lab, LabError, LabPlan, check_can_build, parse_faults,
                                      plan_lab)
 from gasloc_lightning.netlab.clock_check import busiest_round, measure, median, predict_allreduce, predict_gossip
@@ -200,19 +202,22 @@ def _is_under(override: str, keys: tuple[str, ...]) -> bool:
 # ------------------------------------------------------------------ elastic
 def _elastic_config(cfg: DictConfig, plan: LabPlan) -> DictConfig:
     """gasloc-elastic's config in the lab, checked as gasloc-elastic checks it: no ``netlab`` node, the lighthouse on
-    site 0's address and the lab's port and, with ``netlab.majority_quorum``, a majority as ``min_workers``."""
+    site 0's address and the lab's port and, with ``netlab.majority_quorum``, a ``min_workers`` below a majority
+    raised to it (unless ``elastic.allow_split_quorum=true`` asks for the split quorum by name)."""
     elastic_cfg = _without_netlab(cfg)
     elastic_cfg.elastic.bind = plan.addresses[0]
     elastic_cfg.elastic.advertise = None
     elastic_cfg.elastic.lighthouse_port = cfg.elastic.lighthouse_port or cfg.netlab.lighthouse_port
-    majority = cfg.elastic.workers // 2 + 1
-    if cfg.netlab.majority_quorum and cfg.elastic.min_workers < majority:
+    elastic = cfg.elastic
+    floor = majority(max_workers_of(elastic))
+    if (cfg.netlab.majority_quorum and not elastic.allow_split_quorum and elastic.min_workers is not None
+            and elastic.min_workers < floor):
         # Two sides of a partition can each hold min_workers <= W/2 and each form quorums of their own (torchft's
         # lighthouse keeps no side out): they train apart and end on two models. A majority keeps it to one side.
-        print(f"netlab: elastic.min_workers {cfg.elastic.min_workers} -> {majority}, a majority of the "
-              f"{cfg.elastic.workers} workers (netlab.majority_quorum=true): one side of a partition trains",
+        print(f"netlab: elastic.min_workers {elastic.min_workers} -> {floor}, a majority of "
+              f"{max_workers_of(elastic)} workers (netlab.majority_quorum=true): one side of a partition trains",
               flush=True)
-        elastic_cfg.elastic.min_workers = majority
+        elastic_cfg.elastic.min_workers = floor
     check_choices(elastic_cfg)
     check_budget(elastic_cfg.trainer)
     check_elastic(elastic_cfg)
@@ -234,6 +239,7 @@ def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fa
     checksums = sorted({row["model_checksum"] for row in finished})
     print(f"netlab: {len(finished)} of {len(summary['workers'])} workers finished at steps "
           f"{sorted({row['final_step'] for row in finished})} on {len(checksums)} model(s)", flush=True)
+    raise_if_split(summary, run.run_dir)  # main() says gasloc-netlab
     return {"faults": schedule.fired, "workers": summary["workers"], "models": len(checksums)}
 
 
@@ -432,7 +438,8 @@ def _preset_name(cfg: DictConfig) -> str:
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="netlab/app")
 def main(cfg: DictConfig) -> None:
     """Console entry point ``gasloc-netlab``: 2, a setting or the lab cannot work; 1, a worker, rank or probe failed or
-    ran past its timeout; 128 + the signal's number, interrupted (Ctrl-C 130, SIGTERM 143, SIGHUP 129)."""
+    ran past its timeout; 3, the elastic run ended on more than one model; 128 + the signal's number, interrupted
+    (Ctrl-C 130, SIGTERM 143, SIGHUP 129)."""
     try:
         run_netlab(cfg)
     except (LabError, ValueError, FileNotFoundError) as error:  # FileNotFoundError: elastic.resume with nothing left
@@ -441,6 +448,9 @@ def main(cfg: DictConfig) -> None:
     except ElasticInterrupted as interrupted:
         print(interrupted, file=sys.stderr, flush=True)
         raise SystemExit(128 + interrupted.signum) from None
+    except SplitRunError as split:  # the run ended on several models: each named, and the merge command
+        print(f"gasloc-netlab: {split}", file=sys.stderr, flush=True)
+        raise SystemExit(SPLIT_EXIT_CODE) from None
     except (RuntimeError, TimeoutError) as error:  # a worker or rank failed: named, with where its log is
         print(f"gasloc-netlab: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

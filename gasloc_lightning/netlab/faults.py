@@ -1,10 +1,17 @@
-"""Network faults on the lab's links, fired at a training step and lifted after a number of seconds.
+"""Network faults on the lab's links, fired at a training step and lifted after a number of seconds or at a later step.
 
-``netlab.faults`` entries (STEP: the furthest live worker's step, as ``elastic.chaos`` counts it):
+``netlab.faults`` entries (STEP: the furthest live worker's step, as ``elastic.chaos`` counts it; the launcher
+reads it from the workers' progress files):
 
 - ``partition:SITE@STEP:SECONDS``: SITE's link goes down, and comes back SECONDS later;
 - ``flap:SITE@STEP:SECONDS``: SITE's link goes down and up every ``flap_period_s`` for SECONDS, then stays up;
 - ``slow:SITE@STEP:SECONDS:MBIT``: both directions of SITE's links are capped at MBIT Mbit/s for SECONDS.
+
+Each also takes ``@STEP-UNTIL`` instead of ``@STEP:SECONDS`` (``partition:1@15-30``, ``slow:1@15-30:2``): the fault
+holds until the furthest live worker reaches step UNTIL, however long that takes. Its window is then a number of
+the run's steps, not of seconds: a cut that must span round boundaries spans them on a loaded machine too (a
+seconds window may fall inside one round's compute and cut nothing). It ends only when some worker trains on, so
+it suits a side that keeps a quorum (the other side waits, and heals when it comes back).
 
 Two faults that act on the same thing of one site (its link's state: partition and flap; its rate: slow) at the
 same STEP are refused: their windows certainly overlap. Faults at different steps may still overlap (a window is
@@ -17,6 +24,7 @@ no thread of its own; :meth:`FaultSchedule.lift_all` restores every link (the ru
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable
@@ -24,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 ACTIONS = ("partition", "flap", "slow")
-_FAULT = re.compile(r"^(partition|flap|slow):(\d+)@(\d+):(\d+(?:\.\d+)?)(?::(\d+(?:\.\d+)?))?$")
+_FAULT = re.compile(r"^(partition|flap|slow):(\d+)@(\d+)(?::(\d+(?:\.\d+)?)|-(\d+))(?::(\d+(?:\.\d+)?))?$")
 _LINK_ACTIONS = ("partition", "flap")  # both set the link's state; slow sets its rate
 
 
@@ -35,17 +43,25 @@ class _Links(Protocol):
 
 @dataclass(frozen=True)
 class Fault:
-    """One fault: ``action`` on ``site``'s link at ``step`` for ``seconds`` (``slow``: down to ``mbit``)."""
+    """One fault: ``action`` on ``site``'s link at ``step`` for ``seconds``, or until the run reaches ``until_step``
+    (``slow``: down to ``mbit``)."""
 
     action: str
     site: int
     step: int
-    seconds: float
+    seconds: float | None
     mbit: float | None = None
+    until_step: int | None = None
 
     def __str__(self) -> str:
         suffix = f":{self.mbit:g}" if self.action == "slow" else ""
-        return f"{self.action}:{self.site}@{self.step}:{self.seconds:g}{suffix}"
+        window = f":{self.seconds:g}" if self.until_step is None else f"-{self.until_step}"
+        return f"{self.action}:{self.site}@{self.step}{window}{suffix}"
+
+    @property
+    def lasts(self) -> str:
+        """The window, in words."""
+        return f"for {self.seconds:g}s" if self.until_step is None else f"until step {self.until_step}"
 
     def conflicts_with(self, other: Fault) -> bool:
         """Whether both act on the same thing of the same site: its link's state, or its rate."""
@@ -68,23 +84,30 @@ def _parse(entry: str, sites: int) -> Fault:
     match = _FAULT.match(entry)
     if match is None:
         raise ValueError(f"netlab.faults entry {entry!r}: expected partition:SITE@STEP:SECONDS, "
-                         "flap:SITE@STEP:SECONDS or slow:SITE@STEP:SECONDS:MBIT")
-    action, site, step, seconds, mbit = match.groups()
+                         "flap:SITE@STEP:SECONDS or slow:SITE@STEP:SECONDS:MBIT (or @STEP-UNTIL for :SECONDS)")
+    action, site, step, seconds, until, mbit = match.groups()
     if int(site) >= sites:
         raise ValueError(f"netlab.faults entry {entry!r}: site {site} does not exist (the preset has {sites})")
     if (action == "slow") != (mbit is not None):
         raise ValueError(f"netlab.faults entry {entry!r}: only slow takes :MBIT, and it needs it")
-    if float(seconds) <= 0 or (mbit is not None and float(mbit) <= 0):
+    if (seconds is not None and float(seconds) <= 0) or (mbit is not None and float(mbit) <= 0):
         raise ValueError(f"netlab.faults entry {entry!r}: SECONDS and MBIT must be > 0")
-    return Fault(action, int(site), int(step), float(seconds), None if mbit is None else float(mbit))
+    if until is not None and int(until) <= int(step):
+        raise ValueError(f"netlab.faults entry {entry!r}: UNTIL must be a later step than STEP")
+    return Fault(action, int(site), int(step), None if seconds is None else float(seconds),
+                 None if mbit is None else float(mbit), None if until is None else int(until))
 
 
 @dataclass
 class _Active:
     fault: Fault
-    ends_at: float
+    ends_at: float  # inf: it ends at the fault's until_step
     link_up: bool = False  # flap: the link's state now
     next_toggle: float = 0.0
+
+    def over(self, now: float, step: int) -> bool:
+        until = self.fault.until_step
+        return now >= self.ends_at or (until is not None and step >= until)
 
     @property
     def holds_link_down(self) -> bool:
@@ -132,7 +155,7 @@ class FaultSchedule:
         while self._pending and step >= self._pending[0].step:
             self._fire(self._pending.pop(0), step, now)
         for active in list(self._active):
-            if now >= active.ends_at:
+            if active.over(now, step):
                 self._lift(active)
             elif active.fault.action == "flap" and now >= active.next_toggle:
                 active.link_up = not active.link_up
@@ -149,14 +172,15 @@ class FaultSchedule:
 
     def _fire(self, fault: Fault, step: int, now: float) -> None:
         holding = [str(a.fault) for a in self._active if a.fault.conflicts_with(fault)]
-        self._active.append(_Active(fault, ends_at=now + fault.seconds, next_toggle=now + self.flap_period_s))
+        ends_at = math.inf if fault.seconds is None else now + fault.seconds
+        self._active.append(_Active(fault, ends_at=ends_at, next_toggle=now + self.flap_period_s))
         self._apply(fault.site)
         if fault.action == "slow":
             what = f"links of site {fault.site} capped at {fault.mbit:g} Mbit/s"
         else:
             what = f"site {fault.site}'s link down" + (" (flapping)" if fault.action == "flap" else "")
         also = f" (with {', '.join(holding)} still in force: the stricter holds)" if holding else ""
-        self._say(f"netlab: fault {fault} at step {step}: {what} for {fault.seconds:g}s{also}")
+        self._say(f"netlab: fault {fault} at step {step}: {what} {fault.lasts}{also}")
 
     def _lift(self, active: _Active) -> None:
         self._active.remove(active)

@@ -31,7 +31,7 @@ import io
 import json
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -235,7 +235,7 @@ def load_rank_checkpoint(
 
 
 def export_consensus(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike | Sequence[str | os.PathLike],
     output: str | os.PathLike,
     *,
     weights_only: bool = True,
@@ -247,41 +247,59 @@ def export_consensus(
     ``torch.load(...)["state_dict"]``. Floating tensors are averaged; integer ones (step counters)
     are taken from rank 0. DDP inside a worker stores its replica once per rank: the mean is the same.
 
+    Several directories (e.g. the final checkpoints of an elastic run that ended on two models, one per model,
+    as ``gasloc-elastic`` prints them) are merged with one weight each: each directory's replicas are averaged,
+    then the directories' averages. Integer tensors and the step come from the first directory.
+
     A sharded run (``intra_worker="fsdp"``) is assembled first: each worker's k rank files hold one shard of its
     replica each, put together in shard order, so the result is the whole model.
 
     Args:
-        directory, output: the per-rank checkpoint directory and the file to write (local paths or URLs).
+        directory: the per-rank checkpoint directory, or several (local paths or URLs).
+        output: the file to write (a local path or URL).
         weights_only: False lets the files run code while loading: only for files you trust.
-        storage_options: fsspec options for both paths.
+        storage_options: fsspec options for every path.
 
     Returns:
-        ``{"world_size", "replicas", "consensus_distance"}``: the rank files and replicas read, and the mean squared
-        distance of the replicas to the average, over floating tensors, that the export averaged away.
+        ``{"world_size", "replicas", "consensus_distance", "directories"}``: the rank files and replicas read (over
+        every directory), the weighted mean squared distance of the replicas to the average, over floating tensors,
+        that the export averaged away, and how many directories were merged.
     """
-    world_size = read_meta(directory, storage_options)["world_size"]
+    directories = [directory] if isinstance(directory, (str, os.PathLike)) else list(directory)
+    if not directories:
+        raise CheckpointFormatError("no checkpoint directory to export")
     options = {"weights_only": weights_only, "storage_options": storage_options}
-    first = load_rank_checkpoint(directory, 0, world_size, **options)
-    ranks = [first] + [load_rank_checkpoint(directory, r, world_size, **options) for r in range(1, world_size)]
-    states = _replicas(ranks)
-    replicas = len(states)
+    first, states, weights, world_size = None, [], [], 0
+    for path in directories:
+        size = read_meta(path, storage_options)["world_size"]
+        ranks = [load_rank_checkpoint(path, r, size, **options) for r in range(size)]
+        replicas = _replicas(ranks)
+        first, world_size = first or ranks[0], world_size + size
+        states += replicas
+        weights += [1.0 / (len(directories) * len(replicas))] * len(replicas)  # one weight per directory
     average = {}
     distance = 0.0
     for name, reference in states[0].items():
         if not torch.is_floating_point(reference):
             average[name] = reference.clone()
             continue
+        if any(name not in state or state[name].shape != reference.shape for state in states):
+            raise CheckpointFormatError(f"entry {name!r} differs in shape or is missing across the checkpoints: "
+                                        "they are not replicas of one model")
         stacked = torch.stack([s[name].double() for s in states])  # (replicas, ...)
-        mean = stacked.mean(0)
-        distance += float(((stacked - mean) ** 2).sum()) / replicas
+        w = torch.tensor(weights, dtype=torch.float64).reshape(-1, *([1] * reference.dim()))
+        mean = (w * stacked).sum(0)
+        distance += float((w * (stacked - mean) ** 2).sum())
         average[name] = mean.to(reference.dtype)
     exported = {k: v for k, v in first.items() if k in ("epoch", "global_step", "pytorch-lightning_version",
                                                          "hyper_parameters", "hparams_name")}
     exported["state_dict"] = average
-    exported["gasloc_export"] = {"source": os.fspath(directory), "world_size": world_size, "replicas": replicas,
-                                 "consensus_distance": distance}
+    sources = [os.fspath(path) for path in directories]
+    exported["gasloc_export"] = {"source": sources[0] if len(sources) == 1 else sources, "world_size": world_size,
+                                 "replicas": len(states), "consensus_distance": distance}
     save_file(exported, output, storage_options)
-    return {"world_size": world_size, "replicas": replicas, "consensus_distance": distance}
+    return {"world_size": world_size, "replicas": len(states), "consensus_distance": distance,
+            "directories": len(directories)}
 
 
 def _replicas(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -51,6 +51,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,6 +67,7 @@ from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, Elas
 from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.flat import all_finite
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum, SurplusWorkerError
+from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning, is_split_quorum, quorum_floor, split_warning
 from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
@@ -100,9 +102,14 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     Args:
         lighthouse: ``HOST:PORT`` of the torchft lighthouse every worker registers with.
         worker_id: this worker's number (its member name is ``worker_<id>``; a restarted worker keeps it).
-        min_workers: the smallest quorum a round runs in (the lighthouse's ``--min_replicas``).
+        min_workers: the smallest quorum a round runs in (the lighthouse's ``--min_replicas``); ``None``: a majority
+            of ``max_workers``, so that two sides of a partition never both train
+            (:mod:`~gasloc_lightning.comm.quorum_floor`). A smaller one needs ``allow_split_quorum``.
         max_workers: the largest quorum the run allows; gamma must be stable for every size in
             [max(2, min_workers), max_workers] (checked at construction).
+        allow_split_quorum: accept a ``min_workers`` below a majority of ``max_workers`` (a run that must go on
+            with fewer survivors); it warns (:class:`~gasloc_lightning.comm.quorum_floor.SplitQuorumWarning`): a
+            partition can then leave two sides training apart, and the run ending on two models.
         connect_timeout: seconds to reach the lighthouse (then a clear error).
         quorum_timeout: seconds a round waits for a quorum of ``min_workers`` (then a clear error). Must
             exceed the time of one round and a validation, since a joiner waits for the others to finish theirs.
@@ -133,8 +140,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         *,
         lighthouse: str,
         worker_id: int,
-        min_workers: int = 1,
+        min_workers: int | None = None,
         max_workers: int = 8,
+        allow_split_quorum: bool = False,
         connect_timeout: float = 10.0,
         quorum_timeout: float = 120.0,
         transfer_timeout: float = 60.0,
@@ -147,8 +155,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         leave_grace_s: float = 60.0,
         **kwargs: Any,
     ) -> None:
-        _check_int("min_workers", min_workers, 1)
-        _check_int("max_workers", max_workers, min_workers)
+        _check_int("max_workers", max_workers, 1)
+        min_workers = quorum_floor(min_workers, max_workers, allow_split_quorum=allow_split_quorum)
+        if is_split_quorum(min_workers, max_workers):
+            warnings.warn(split_warning(min_workers, max_workers), SplitQuorumWarning, stacklevel=2)
         _check_int("worker_id", worker_id, 0)
         for name in ("overlap", "network", "error_feedback", "fragment_sync_delay", "fragment_update_alpha"):
             if kwargs.get(name):
