@@ -45,7 +45,8 @@ FAST = [
     "model=tiny", "data=stdlib", "trainer=cpu", "inner_steps=5", f"trainer.max_steps={MAX_STEPS}",
     f"trainer.val_check_interval={MAX_STEPS}", "trainer.enable_progress_bar=false", "data.batch_size=4",
     "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0", f"elastic.workers={WORKERS}",
-    "elastic.min_workers=2", "elastic.gossip_timeout=3", "elastic.quorum_timeout=20",
+    "elastic.min_workers=2", "elastic.allow_split_quorum=true", "elastic.gossip_timeout=3",
+    "elastic.quorum_timeout=20",
 ]
 # Keys of the worker config that hold the worker's folder (worker_config resolves ${output_dir} into the last three).
 FOLDER_KEYS = ("output_dir", "trainer.default_root_dir", "logger.csv.save_dir", "callbacks.run_summary.output_dir")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
 
@@ -34,6 +35,8 @@ from gasloc_lightning.app.elastic import (  # noqa: E402
     worker_config,
 )
 from gasloc_lightning.app.elastic_worker import LEAVE_CHECKPOINT, read_progress  # noqa: E402
+from gasloc_lightning.app.export import main as export_main  # noqa: E402
+from gasloc_lightning.plugins.per_rank import load_rank_checkpoint  # noqa: E402
 from gasloc_lightning.comm.wire import SECRET_ENV  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
 from net_utils import descendants, listening_sockets, non_loopback  # noqa: E402
@@ -44,7 +47,7 @@ FAST = [
     "model=tiny", "data=stdlib", "trainer=cpu", f"inner_steps={H}", f"trainer.max_steps={MAX_STEPS}",
     f"trainer.val_check_interval={MAX_STEPS}", "trainer.enable_progress_bar=false", "data.batch_size=4",
     "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0", "elastic.workers=3",
-    "elastic.min_workers=2", "elastic.heartbeat_timeout_ms=1500", "elastic.join_timeout_ms=5000",
+    "elastic.heartbeat_timeout_ms=1500", "elastic.join_timeout_ms=5000",
     "elastic.gossip_timeout=3", "elastic.quorum_timeout=20", "elastic.leave_grace_s=20", "elastic.timeout_s=240",
 ]
 
@@ -239,9 +242,24 @@ def test_term_makes_a_worker_leave_cleanly(tmp_path, cache_dir, monkeypatch):
     failures = {row["worker"]: (row["failed_exchanges"], row["failed_collectives"]) for row in rows.values()}
     assert all(counts == (0, 0) for counts in failures.values()), f"failed (exchanges, collectives): {failures}"
     assert json.loads((tmp_path / ELASTIC_SUMMARY_FILE).read_text())["workers"][2]["status"] == "left"
+    _assert_gasloc_export_merges(Path(rows[0]["final_checkpoint"]), Path(leaver["checkpoint"]), tmp_path)
     written = [path for path in tmp_path.rglob("*") if path.is_file() and b"a-secret-the-user" in path.read_bytes()]
     assert not written, f"the secret was written to {written} (the leave checkpoint included)"
     _assert_nothing_left(summary["pids"], tmp_path)
+
+
+def _assert_gasloc_export_merges(final: Path, left: Path, tmp_path: Path) -> None:
+    """Real replicas of two models (a finisher's final checkpoint, the leaver's own): ``gasloc-export`` with both
+    writes their average, one weight each, as it does for the groups of a run that split."""
+    merged = tmp_path / "merged.ckpt"
+    assert export_main([str(final), str(left), str(merged)]) == 0
+    models = [load_rank_checkpoint(path, 0, 1)["state_dict"] for path in (final, left)]
+    average = torch.load(merged, weights_only=True)["state_dict"]
+    floating = [name for name, tensor in models[0].items() if torch.is_floating_point(tensor)]
+    assert any(not torch.equal(models[0][name], models[1][name]) for name in floating), "one model, not two"
+    for name in floating:
+        expected = ((models[0][name].double() + models[1][name].double()) / 2).to(models[0][name].dtype)
+        assert torch.allclose(average[name], expected, atol=1e-6), name
 
 
 @pytest.mark.slow

@@ -266,7 +266,8 @@ def test_a_joiner_that_would_schedule_collectives_differently_is_refused_naming_
     overrides = ["model=tiny", "data=stdlib", "trainer=cpu", "inner_steps=5", "trainer.max_steps=30",
                  "trainer.val_check_interval=10", "trainer.enable_progress_bar=false", "data.batch_size=4",
                  "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0",
-                 "elastic.workers=2", "elastic.min_workers=1", f"cache_dir={cache}"]
+                 "elastic.workers=2", "elastic.min_workers=1", "elastic.allow_split_quorum=true",
+                 f"cache_dir={cache}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="elastic/app", overrides=overrides)
     processes = []

@@ -31,7 +31,8 @@ COMMON = ["model=tiny", "data=stdlib", "trainer=cpu", f"inner_steps={H}", f"trai
           f"trainer.val_check_interval={STEPS}", "data.batch_size=4", "data.val_batches=1", "strategy=gasloc",
           "topology=complete", "strategy.consensus_every=0"]
 ELASTIC = ["trainer.enable_progress_bar=false", "callbacks.lr_monitor=null", f"elastic.workers={WORKERS}",
-           "elastic.min_workers=2", "elastic.heartbeat_timeout_ms=1500", "elastic.join_timeout_ms=5000",
+           "elastic.min_workers=2", "elastic.allow_split_quorum=true", "elastic.heartbeat_timeout_ms=1500",
+           "elastic.join_timeout_ms=5000",
            "elastic.gossip_timeout=3", "elastic.quorum_timeout=20", "elastic.timeout_s=240", "elastic.method=gasloc",
            "elastic.chaos=[term:3@10,restart:3@15]"]
 
