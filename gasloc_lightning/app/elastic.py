@@ -69,6 +69,7 @@ LOOPBACK = "127.0.0.1"
 _STOP_GRACE_S = 5.0
 _LEAVE_MARGIN_S = 30.0  # after leave_grace_s: the end of the fit and the checkpoint write
 _POLL_S = 0.2
+_LIGHTHOUSE_START_S = 60.0  # a failure deadline: in a lab namespace on a loaded 2-core machine it took 13 s
 STATUSES = ("finished", "left", "killed", "stopped", "refused", "failed")
 
 
@@ -384,7 +385,7 @@ class ElasticRun:
         self.started_pids.append(self.lighthouse.pid)
         self.address = self.endpoint.address(port)
         local = host_port(_local_address(self.endpoint), port)
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + _LIGHTHOUSE_START_S
         reachable = functools.partial(lighthouse_reachable, timeout=0.5) if self.placement is None \
             else self.placement.reachable
         while not reachable(local):
