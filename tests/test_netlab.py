@@ -63,6 +63,8 @@ def test_too_few_workers_for_the_sites_and_a_bad_scale_are_refused():
 @pytest.mark.parametrize("entry, message", [
     ("partition:1@40", "expected"), ("cut:1@40:5", "expected"), ("partition:2@40:5", "site 2 does not exist"),
     ("slow:1@40:5", "needs it"), ("flap:1@40:5:3", "only slow"), ("partition:1@40:0", "> 0"),
+    ("partition:1@40-40", "UNTIL must be a later step"), ("partition:1@40-30", "UNTIL must be a later step"),
+    ("partition:1@40-50:5", "only slow"),
 ])
 def test_bad_fault_entries_are_refused_naming_the_entry(entry, message):
     with pytest.raises(ValueError, match=message):
@@ -102,6 +104,24 @@ def test_a_partition_fires_at_its_step_and_lifts_after_its_seconds():
     schedule.poll(60)
     assert links.calls == [("link", 1, False), ("link", 1, True)] and schedule.done
     assert any("partition:1@40:15 at step 41" in line for line in schedule.fired)
+
+
+def test_a_step_window_holds_until_the_run_reaches_its_step_however_long_that_takes():
+    """``partition:1@15-30``: cut at step 15, restored at step 30 and not before, whatever the clock says (a
+    seconds window can fall inside one round's compute; a step window spans the rounds it names)."""
+    links, clock = _Links(), _Clock()
+    lines: list[str] = []
+    faults = parse_faults(["partition:1@15-30", "slow:1@15-20:2"], 2)
+    assert [str(fault) for fault in faults] == ["partition:1@15-30", "slow:1@15-20:2"]
+    schedule = FaultSchedule(faults, links, report=lines.append, clock=clock)
+    schedule.poll(16)
+    assert links.calls == [("link", 1, False), ("throttle", 1, 2.0)]
+    assert "netlab: fault partition:1@15-30 at step 16: site 1's link down until step 30" in lines
+    clock.now = 1e6  # a day later, still at step 29: still cut
+    schedule.poll(29)
+    assert links.calls == [("link", 1, False), ("throttle", 1, 2.0), ("throttle", 1, None)]
+    schedule.poll(30)
+    assert links.calls[-1] == ("link", 1, True) and schedule.done
 
 
 def test_a_flap_toggles_every_period_and_ends_with_the_link_up():
