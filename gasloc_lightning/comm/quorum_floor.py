@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 SPLIT_RISK = ("two sides of a network partition can each hold that many workers and form quorums of their own: "
-              "they train apart and the run can end on two models (the launcher then exits non-zero naming them)")
+              "they train apart and the run can end on two models")
 
 
 class SplitQuorumWarning(UserWarning):
@@ -53,7 +53,7 @@ def quorum_floor(min_workers: Any, max_workers: int, *, allow_split_quorum: bool
     if min_workers < floor and not allow_split_quorum:
         raise ValueError(
             f"{prefix}min_workers={min_workers} is not a majority of {max_workers} workers (that is {floor}): "
-            f"{SPLIT_RISK.split(' (')[0]}. Leave {prefix}min_workers unset for {floor}, or pass "
+            f"{SPLIT_RISK}. Leave {prefix}min_workers unset for {floor}, or pass "
             f"{prefix}allow_split_quorum=true to accept that risk")
     return min_workers
 
@@ -66,4 +66,5 @@ def is_split_quorum(min_workers: int, max_workers: int) -> bool:
 def split_warning(min_workers: int, max_workers: int, prefix: str = "") -> str:
     """What an allowed split floor risks, for the caller's warning."""
     return (f"{prefix}min_workers={min_workers} is not a majority of {max_workers} workers "
-            f"({prefix}allow_split_quorum=true): {SPLIT_RISK}")
+            f"({prefix}allow_split_quorum=true): {SPLIT_RISK} (gasloc-elastic and gasloc-netlab then exit 3, "
+            "naming them)")
