@@ -199,3 +199,24 @@ def test_gasloc_elastic_exits_3_naming_both_models_and_its_merge_command_average
     assert torch.equal(merged["layer.weight"], torch.full((2, 3), 2.5))  # (1 + 4) / 2: one weight per model
     assert int(merged["layer.steps"]) == 7
 
+
+
+def test_gasloc_netlab_exits_3_on_a_split_naming_the_groups(monkeypatch, capsys):
+    """``gasloc-netlab``'s elastic path raises the same split (``raise_if_split`` after its table); its entry point
+    turns it into exit 3, not the 1 of a failed worker."""
+    from gasloc_lightning.app import netlab as netlab_app
+    from gasloc_lightning.app.split import SplitRunError
+
+    groups = model_groups([_row(0, 1.0), _row(1, 1.0), _row(2, 2.0), _row(3, 2.0)])
+
+    def split(cfg):
+        raise SplitRunError(split_report(groups, "/run"), groups)
+
+    monkeypatch.setattr(netlab_app, "run_netlab", split)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="netlab/app", overrides=["experiment=demo", "network=two_clusters"])
+    with pytest.raises(SystemExit) as exit_:
+        netlab_app.main(cfg)
+    assert exit_.value.code == SPLIT_EXIT_CODE
+    err = capsys.readouterr().err
+    assert "gasloc-netlab: the run ended on 2 models" in err and "workers [2, 3]" in err and "gasloc-export" in err
