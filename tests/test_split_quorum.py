@@ -220,3 +220,19 @@ def test_gasloc_netlab_exits_3_on_a_split_naming_the_groups(monkeypatch, capsys)
     assert exit_.value.code == SPLIT_EXIT_CODE
     err = capsys.readouterr().err
     assert "gasloc-netlab: the run ended on 2 models" in err and "workers [2, 3]" in err and "gasloc-export" in err
+
+
+def test_gasloc_export_gives_each_directory_one_weight_whatever_its_replicas(tmp_path):
+    """A directory of 2 replicas (0 and 2: its model is 1) and one of 1 replica (4): the merge is (1 + 4) / 2."""
+    from gasloc_lightning.app.export import main as export_main
+
+    io = PerRankCheckpointIO()
+    for rank, value in enumerate((0.0, 2.0)):
+        state = {"layer.weight": torch.full((2, 3), value), "layer.steps": torch.tensor(7)}
+        io.save_checkpoint({"state_dict": state, "global_step": 4, "epoch": 0,
+                            "gasloc": {"rank": rank, "world_size": 2, "save_id": "two"}}, tmp_path / "two")
+    _final_checkpoint(tmp_path / "one", 4.0)
+    assert export_main([str(tmp_path / "two"), str(tmp_path / "one"), str(tmp_path / "merged.ckpt")]) == 0
+    merged = torch.load(tmp_path / "merged.ckpt", weights_only=True)
+    assert torch.equal(merged["state_dict"]["layer.weight"], torch.full((2, 3), 2.5))
+    assert merged["gasloc_export"]["replicas"] == 3 and merged["gasloc_export"]["world_size"] == 3
