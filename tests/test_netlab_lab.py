@@ -205,7 +205,8 @@ def test_several_machines_instructions_run_across_the_labs_real_addresses(tmp_pa
                           "--heartbeat_timeout_ms", "5000"]
             processes.append(subprocess.Popen(lab.wrap(lighthouse, 0), stdout=subprocess.DEVNULL,
                                               stderr=subprocess.DEVNULL, start_new_session=True))
-            assert _wait(lambda: lab.reachable(1, "10.213.0.1", 29510)), "the lighthouse is not reachable from site 1"
+            # 60 s: a failure deadline (the lighthouse took 13 s to listen in a namespace on the loaded machine)
+            assert _wait(lambda: lab.reachable(1, "10.213.0.1", 29510), 60), "the lighthouse is unreachable from site 1"
             for worker, folder in folders.items():
                 address = plan.address_of_worker(worker)
                 folder.mkdir(parents=True)

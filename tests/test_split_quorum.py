@@ -91,7 +91,8 @@ def test_gasloc_elastic_refuses_a_minority_quorum_naming_the_opt_out_and_warns_w
     cfg = _compose(["elastic.workers=4", "elastic.min_workers=2", "elastic.allow_split_quorum=true"])
     check_elastic(cfg)
     warning, line = quorum_lines(cfg.elastic)
-    assert warning.startswith("warning: elastic.min_workers=2 is not a majority of 4 workers") and "two models" in warning
+    assert warning.startswith("warning: elastic.min_workers=2 is not a majority of 4 workers")
+    assert "two models" in warning
     assert line == "quorum: min_workers=2, NOT a majority of 4 workers"
     strategy = worker_config(cfg, 0, f"{HOST}:9", "/nonexistent/worker_0").strategy
     assert (strategy.min_workers, strategy.allow_split_quorum) == (2, True)
