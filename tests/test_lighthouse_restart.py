@@ -158,24 +158,29 @@ def _member(address: str, worker_id: int, **overrides) -> ElasticMembership:
     return ElasticMembership(**{**settings, **overrides})
 
 
-def _first_round(members: list[ElasticMembership], pool: ThreadPoolExecutor) -> None:
-    quorums = [future.result(timeout=60) for future in [pool.submit(member.join) for member in members]]
-    assert [quorum.size for quorum in quorums] == [2, 2]
-    for member in members:
-        member.commit(1)
+def _rounds(members: list[ElasticMembership], pool: ThreadPoolExecutor, errors: list[Exception | None]) -> None:
+    """One quorum per entry of ``errors``, each committed as round 1 with that error (an error bumps the next id)."""
+    for index, error in enumerate(errors):
+        ask = [member.join if index == 0 else member.start_quorum for member in members]
+        quorums = [future.result(timeout=60) for future in [pool.submit(call) for call in ask]]
+        assert [quorum.size for quorum in quorums] == [2, 2] and {q.quorum_id for q in quorums} == {index + 1}
+        for member in members:
+            member.commit(1, error)
 
 
 @pytest.mark.timeout(180)
 def test_a_quorum_request_in_flight_when_the_lighthouse_dies_is_answered_by_its_restart(lighthouse, records):
-    """Worker 0 asks while worker 1 computes, so its request waits in the lighthouse; the lighthouse dies then.
-    Once worker 0 says it waits for it, it restarts on the same address and worker 1 asks: both get the quorum of
-    two, long before quorum_timeout and lighthouse_timeout (60 s: torchft 0.2.0 alone waits for them)."""
+    """Three quorums first (ids 1..3: two rounds report a failed exchange). Then worker 0 asks while worker 1
+    computes, so its request waits in the lighthouse, and the lighthouse dies. Once worker 0 says it waits for it,
+    it restarts on the same address and worker 1 asks: both get the quorum of two, long before quorum_timeout and
+    lighthouse_timeout (60 s: torchft 0.2.0 alone waits for them, its request lost). The restarted lighthouse
+    numbers from 1 again: that quorum is usable although quorum 1's rendezvous keys are still in worker 0's store."""
     members = [_member(lighthouse.address, w) for w in range(2)]
     pool = ThreadPoolExecutor(2)
     try:
         for member in members:
             member.connect()
-        _first_round(members, pool)
+        _rounds(members, pool, errors=[RuntimeError("a failed exchange")] * 2 + [None])
         asked = lighthouse.received("worker_0000")
         in_flight = pool.submit(members[0].start_quorum)
         _until(lambda: lighthouse.received("worker_0000") > asked, 30, "worker 0's request never reached it")
@@ -186,8 +191,9 @@ def test_a_quorum_request_in_flight_when_the_lighthouse_dies_is_answered_by_its_
         second = pool.submit(members[1].start_quorum)
         quorums = [in_flight.result(timeout=40), second.result(timeout=40)]
         assert time.monotonic() - start < 40
-        assert [quorum.size for quorum in quorums] == [2, 2] and all(quorum.usable for quorum in quorums)
-        assert {quorum.max_step for quorum in quorums} == {1}
+        assert [quorum.size for quorum in quorums] == [2, 2]
+        assert all(quorum.usable for quorum in quorums), [str(quorum.error)[:200] for quorum in quorums]
+        assert {quorum.quorum_id for quorum in quorums} == {1} and {quorum.max_step for quorum in quorums} == {1}
     finally:
         for member in members:
             member.shutdown()
@@ -203,7 +209,7 @@ def test_a_lighthouse_that_stays_dead_fails_the_worker_after_lighthouse_wait(lig
     try:
         for member in members:
             member.connect()
-        _first_round(members, pool)
+        _rounds(members, pool, errors=[None])
         asked = lighthouse.received("worker_0000")
         in_flight = pool.submit(members[0].start_quorum)
         _until(lambda: lighthouse.received("worker_0000") > asked, 30, "worker 0's request never reached it")
@@ -212,39 +218,6 @@ def test_a_lighthouse_that_stays_dead_fails_the_worker_after_lighthouse_wait(lig
         with pytest.raises(MembershipError, match=r"lighthouse_wait=1s .*restart it on the same address"):
             in_flight.result(timeout=50)
         assert time.monotonic() - start < 30  # well before quorum_timeout=60
-    finally:
-        for member in members:
-            member.shutdown()
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-@pytest.mark.timeout(180)
-def test_the_first_quorum_of_a_restarted_lighthouse_is_usable_although_its_id_was_used(lighthouse):
-    """Three quorums (ids 1..3: two rounds report a failed exchange), then the lighthouse restarts and numbers from 1
-    again. torchft 0.2.0 would meet quorum 1's old rendezvous keys in the first member's store and fail to connect
-    (an unusable quorum); the first quorum after the restart is usable."""
-    members = [_member(lighthouse.address, w, quorum_timeout=30, lighthouse_timeout=30) for w in range(2)]
-    pool = ThreadPoolExecutor(2)
-
-    def quorum_round(error: Exception | None = None) -> list:
-        quorums = [future.result(timeout=60) for future in [pool.submit(member.start_quorum) for member in members]]
-        for member in members:
-            member.commit(1, error)
-        return quorums
-
-    try:
-        for member in members:
-            member.connect()
-        quorums = [future.result(timeout=60) for future in [pool.submit(member.join) for member in members]]
-        for member in members:
-            member.commit(1, RuntimeError("a failed exchange"))
-        quorum_round(RuntimeError("a failed exchange"))
-        assert {quorum.quorum_id for quorum in quorum_round()} == {3}
-        lighthouse.kill()
-        lighthouse.start()
-        quorums = quorum_round()
-        assert {quorum.quorum_id for quorum in quorums} == {1}
-        assert all(quorum.usable for quorum in quorums), [str(quorum.error)[:200] for quorum in quorums]
     finally:
         for member in members:
             member.shutdown()
