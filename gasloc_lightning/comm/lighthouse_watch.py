@@ -45,6 +45,9 @@ def quorum_retries(request_timeout: float, retry_interval: float = RETRY_INTERVA
     torchft 0.2.0 sleeps ``timeout / (quorum_retries + 1)`` (at least 0.1 s) between two tries of one request,
     each try with the request's whole timeout; it gives up after ``quorum_retries`` tries. So this many retries
     keep trying for about the request's whole timeout, ``retry_interval`` apart (or closer, for a shorter one).
+    torchft also sends a request again when the lighthouse did not answer it within its timeout (no quorum yet):
+    that try runs on after the caller gave up and asked again, and ends with the next quorum, which both tries
+    receive (the same member, at the same step, since no round runs while it waits).
     """
     _check_seconds("request_timeout", request_timeout)
     _check_seconds("retry_interval", retry_interval)

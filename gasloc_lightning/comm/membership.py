@@ -36,7 +36,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,7 +46,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gasloc_lightning.comm.endpoints import Endpoint
-from gasloc_lightning.comm.lighthouse_watch import LighthouseWatch, RestartSafeQuorum, needs_new_group, quorum_retries
+from gasloc_lightning.comm.lighthouse_watch import (
+    LighthouseWatch,
+    RestartSafeQuorum,
+    needs_new_group,
+    quorum_retries,
+    reachable,
+)
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs ~10 INFO lines per round otherwise
 
@@ -79,12 +84,7 @@ def lighthouse_url(address: str) -> str:
 
 def lighthouse_reachable(address: str, timeout: float = 1.0) -> bool:
     """Whether a TCP connection to the lighthouse opens (no torchft involved)."""
-    parsed = urlparse(lighthouse_url(address))
-    try:
-        with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    return reachable(lighthouse_url(address), timeout=timeout)
 
 
 def worker_name(worker_id: int) -> str:
@@ -311,7 +311,8 @@ class ElasticMembership:
             ) from error
         # A resumed worker counts its own rounds: it is healed only by a peer that is further.
         self._manager.load_state_dict({"step": self.start_step, "batches_committed": 0})
-        self._recorder = _QuorumRecorder(self._manager._client, self._manager)  # torchft keeps no member list: record it
+        # torchft keeps no member list: record it
+        self._recorder = _QuorumRecorder(self._manager._client, self._manager)
         self._manager._client = self._recorder
 
     def shutdown(self) -> None:
