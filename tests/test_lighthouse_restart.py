@@ -92,7 +92,7 @@ class _Lighthouse:
             self.process = subprocess.Popen(lighthouse_command(self.port, 2, 200, 1000), stdout=log_file,
                                             stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": "info"},
                                             start_new_session=True)
-        _until(lambda: lighthouse_reachable(self.address, timeout=0.2), 20, "the lighthouse did not start")
+        _until(lambda: lighthouse_reachable(self.address, timeout=0.2), 60, "the lighthouse did not start")
 
     def kill(self) -> None:
         self.process.kill()
