@@ -234,7 +234,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_gasloc_elastic_goes_on_through_a_lighthouse_killed_and_restarted_mid_run(tmp_path, cache_dir, capfd):
     """``lighthouse@30``: the lighthouse is killed once a worker reaches step 30 and restarted on the same address
     once every running worker logs that it waits for it; the three workers finish at max_steps on one model."""
@@ -245,7 +245,7 @@ def test_gasloc_elastic_goes_on_through_a_lighthouse_killed_and_restarted_mid_ru
         "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0", "elastic.workers=3",
         "elastic.min_workers=2", "elastic.heartbeat_timeout_ms=1500", "elastic.join_timeout_ms=5000",
         "elastic.gossip_timeout=3", "elastic.quorum_timeout=90", "elastic.lighthouse_wait=80",
-        "elastic.timeout_s=280", "elastic.chaos=[lighthouse@30]", f"output_dir={tmp_path}", f"cache_dir={cache_dir}",
+        "elastic.timeout_s=400", "elastic.chaos=[lighthouse@30]", f"output_dir={tmp_path}", f"cache_dir={cache_dir}",
     ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="elastic/app", overrides=overrides)

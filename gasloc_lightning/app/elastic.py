@@ -507,13 +507,15 @@ class ElasticRun:
               + (f"in {event.seconds:g}s" if event.seconds else "once every running worker waits for it"), flush=True)
 
     def _restart_lighthouse_when_due(self) -> None:
+        """Restart the killed lighthouse on its address once its event's SECONDS have passed, or (no SECONDS) once
+        every running worker has logged that it waits for it (a stalled one is not waited for)."""
         outage = self._outage
         if outage is None:
             return
         if outage.event.seconds:
             due = time.monotonic() - outage.since >= outage.event.seconds
         else:
-            running = [record for record in self.workers if record.running]
+            running = [record for record in self.workers if record.running and record.stalled_until is None]
             due = all(_logged_since(record.output_dir / "worker.log", outage.log_marks.get(record.worker, 0),
                                     DOWN_MARK) for record in running)
         if due:
