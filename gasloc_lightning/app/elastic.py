@@ -6,6 +6,7 @@ Usage::
     gasloc-elastic experiment=demo 'elastic.chaos=[kill:2@30,restart:2@50,stall:1@60:5]'
     gasloc-elastic experiment=demo elastic.method=diloco        # DiLoCo on the same engine
     gasloc-elastic experiment=demo 'elastic.chaos=[term:2@40]'  # worker 2 leaves cleanly (SIGTERM)
+    gasloc-elastic experiment=demo 'elastic.chaos=[lighthouse@40]'  # the lighthouse dies; back once all wait for it
     gasloc-elastic experiment=demo output_dir=RUN elastic.resume=true  # after Ctrl-C: each worker from its checkpoint
 
 It composes the same config as ``gasloc-train`` plus the ``elastic`` group (``conf/elastic/default.yaml``),
@@ -57,6 +58,7 @@ from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_gro
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.comm.endpoints import Endpoint, host_port
+from gasloc_lightning.comm.lighthouse_watch import DOWN_MARK
 from gasloc_lightning.comm.membership import lighthouse_reachable
 from gasloc_lightning.comm.quorum_floor import is_split_quorum, quorum_floor, split_warning
 from gasloc_lightning.comm.wire import SECRET_ENV, new_secret
@@ -69,7 +71,7 @@ LOOPBACK = "127.0.0.1"
 _STOP_GRACE_S = 5.0
 _LEAVE_MARGIN_S = 30.0  # after leave_grace_s: the end of the fit and the checkpoint write
 _POLL_S = 0.2
-_LIGHTHOUSE_START_S = 60.0  # a failure deadline: in a lab namespace on a loaded 2-core machine it took 13 s
+_LIGHTHOUSE_START_S = 60.0  # a failure deadline: on a loaded 2-core machine it took 11-18 s (13 s in a lab namespace)
 STATUSES = ("finished", "left", "killed", "stopped", "refused", "failed")
 
 
@@ -101,6 +103,8 @@ class ElasticSchema:
     resume: bool = False
     end_grace_s: float = 30.0
     timeout_s: float = 1800.0
+    lighthouse_timeout: float = 30.0
+    lighthouse_wait: float = 60.0
 
 
 @dataclass
@@ -112,10 +116,15 @@ ConfigStore.instance().store(group="schema", name="elastic_app", node=ElasticApp
 
 
 # ------------------------------------------------------------------ chaos schedule
+LIGHTHOUSE = -1  # the ``worker`` of a lighthouse event
+
+
 @dataclass(frozen=True)
 class ChaosEvent:
-    """``kill:W@STEP`` (SIGKILL), ``term:W@STEP`` (SIGTERM: W leaves cleanly), ``restart:W@STEP`` or
-    ``stall:W@STEP:SECONDS``; STEP is the furthest live worker's step."""
+    """``kill:W@STEP`` (SIGKILL), ``term:W@STEP`` (SIGTERM: W leaves cleanly), ``restart:W@STEP``,
+    ``stall:W@STEP:SECONDS``, or ``lighthouse@STEP[:SECONDS]`` (SIGKILL the lighthouse; restart it on the same
+    address SECONDS later, or without SECONDS once every running worker says it waits for it); STEP is the furthest
+    live worker's step."""
 
     action: str
     worker: int
@@ -123,21 +132,29 @@ class ChaosEvent:
     seconds: float = 0.0
 
     def __str__(self) -> str:
+        if self.action == "lighthouse":
+            return f"lighthouse@{self.step}" + (f":{self.seconds:g}" if self.seconds else "")
         suffix = f":{self.seconds:g}" if self.action == "stall" else ""
         return f"{self.action}:{self.worker}@{self.step}{suffix}"
 
 
 _EVENT = re.compile(r"^(kill|term|restart|stall):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
+_LIGHTHOUSE_EVENT = re.compile(r"^lighthouse@(\d+)(?::(\d+(?:\.\d+)?))?$")
 
 
 def parse_chaos(entries: list[str], workers: int) -> list[ChaosEvent]:
     """Parse and check a chaos schedule (sorted by step, in the given order within a step)."""
     events = []
     for entry in entries:
+        lighthouse = _LIGHTHOUSE_EVENT.match(str(entry).strip())
+        if lighthouse is not None:
+            events.append(ChaosEvent("lighthouse", LIGHTHOUSE, int(lighthouse.group(1)),
+                                     float(lighthouse.group(2) or 0.0)))
+            continue
         match = _EVENT.match(str(entry).strip())
         if match is None:
-            raise ValueError(f"elastic.chaos entry {entry!r}: expected kill:W@STEP, term:W@STEP, restart:W@STEP or "
-                             "stall:W@STEP:SECONDS")
+            raise ValueError(f"elastic.chaos entry {entry!r}: expected kill:W@STEP, term:W@STEP, restart:W@STEP, "
+                             "stall:W@STEP:SECONDS or lighthouse@STEP[:SECONDS]")
         action, worker, step, seconds = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
         if worker >= workers:
             raise ValueError(f"elastic.chaos entry {entry!r}: worker {worker} does not exist (elastic.workers={workers})")
@@ -300,6 +317,8 @@ class ElasticRun:
         self.events = chaos_schedule(cfg)
         self.lighthouse: subprocess.Popen | None = None
         self.address = self.elastic.lighthouse
+        self._lighthouse_port: int | None = None
+        self._outage: _LighthouseOutage | None = None  # a lighthouse chaos event in progress
         self.workers: list[WorkerRecord] = []
         self._last_quorum: int | None = None
         self.started_pids: list[int] = []  # every process this launcher started, for the record and for tests
@@ -372,7 +391,7 @@ class ElasticRun:
 
     def _start_lighthouse(self) -> None:
         bind = self.endpoint.bind
-        port = self.elastic.lighthouse_port or free_port(bind)
+        port = self._lighthouse_port = self._lighthouse_port or self.elastic.lighthouse_port or free_port(bind)
         command = lighthouse_command(port, min_workers_of(self.elastic), self.elastic.join_timeout_ms,
                                      self.elastic.heartbeat_timeout_ms, bind=bind)
         if self.placement is not None:
@@ -459,6 +478,7 @@ class ElasticRun:
                 if not self._fire(event, step, pending):
                     waiting.append(event)
             self._resume_stalled()
+            self._restart_lighthouse_when_due()
             self._report_quorum(step)
             self._reap()
             for event in [e for e in waiting if not self.workers[e.worker].running]:
@@ -474,9 +494,39 @@ class ElasticRun:
                 return
             if time.monotonic() - self._started > self.elastic.timeout_s:
                 raise TimeoutError(f"gasloc-elastic: the run exceeded elastic.timeout_s={self.elastic.timeout_s:g}s")
-            if self.lighthouse is not None and self.lighthouse.poll() is not None:
+            if self._outage is None and self.lighthouse is not None and self.lighthouse.poll() is not None:
                 raise RuntimeError(f"the lighthouse exited with code {self.lighthouse.returncode}")
             time.sleep(_POLL_S)
+
+    # ---------------------------------------------------------------- lighthouse chaos
+    def _kill_lighthouse(self, event: ChaosEvent) -> None:
+        """SIGKILL the lighthouse; :meth:`_restart_lighthouse_when_due` starts it again on the same address."""
+        if self.lighthouse is None or self.lighthouse.poll() is not None:
+            print("  the lighthouse is not running: lighthouse event skipped", flush=True)
+            return
+        self.lighthouse.kill()
+        self.lighthouse.wait()
+        marks = {record.worker: _log_size(record.output_dir / "worker.log") for record in self.workers}
+        self._outage = _LighthouseOutage(event=event, since=time.monotonic(), log_marks=marks)
+        print(f"lighthouse killed (pid {self.lighthouse.pid}); it restarts on {self.address} "
+              + (f"in {event.seconds:g}s" if event.seconds else "once every running worker waits for it"), flush=True)
+
+    def _restart_lighthouse_when_due(self) -> None:
+        """Restart the killed lighthouse on its address once its event's SECONDS have passed, or (no SECONDS) once
+        every running worker has logged that it waits for it (a stalled one is not waited for)."""
+        outage = self._outage
+        if outage is None:
+            return
+        if outage.event.seconds:
+            due = time.monotonic() - outage.since >= outage.event.seconds
+        else:
+            running = [record for record in self.workers if record.running and record.stalled_until is None]
+            due = all(_logged_since(record.output_dir / "worker.log", outage.log_marks.get(record.worker, 0),
+                                    DOWN_MARK) for record in running)
+        if due:
+            self._outage = None
+            self._start_lighthouse()
+            print(f"lighthouse restarted after {time.monotonic() - outage.since:.1f}s down", flush=True)
 
     def furthest_step(self) -> int:
         """The furthest training step any running worker has reported."""
@@ -485,6 +535,10 @@ class ElasticRun:
 
     def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
         """Apply ``event``; False if it must wait (a restart of a worker that is still leaving)."""
+        if event.action == "lighthouse":
+            print(f"chaos {event} at step {step}", flush=True)
+            self._kill_lighthouse(event)
+            return True
         record = self.workers[event.worker]
         if event.action == "restart" and record.running and record.leaving:
             print(f"chaos {event} at step {step}: waits for worker {event.worker} to leave", flush=True)
@@ -646,6 +700,33 @@ class ElasticRun:
                 "lighthouse_pid": None if self.lighthouse is None else self.lighthouse.pid}
 
 
+@dataclass
+class _LighthouseOutage:
+    """A lighthouse killed by chaos: when, and how long each worker's log was then (its later lines tell whether
+    the worker waits for the lighthouse)."""
+
+    event: ChaosEvent
+    since: float
+    log_marks: dict[int, int]
+
+
+def _log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _logged_since(path: Path, offset: int, mark: str) -> bool:
+    """Whether ``mark`` appears in the log at ``path`` after byte ``offset``."""
+    try:
+        with open(path, "rb") as log_file:
+            log_file.seek(offset)
+            return mark.encode() in log_file.read()
+    except OSError:
+        return False
+
+
 def worker_status(record: WorkerRecord, val_loss: float | None) -> str:
     """How a worker's last incarnation ended: one of :data:`STATUSES`.
 
@@ -720,6 +801,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
         quorum_timeout=elastic.quorum_timeout, gossip_timeout=elastic.gossip_timeout,
         transfer_timeout=elastic.transfer_timeout, first_quorum_delay=0.0, cpu_threads=elastic.cpu_threads,
         bind=elastic.bind, advertise=elastic.advertise, leave_grace_s=elastic.leave_grace_s,
+        lighthouse_timeout=elastic.lighthouse_timeout, lighthouse_wait=elastic.lighthouse_wait,
     )
     run.strategy = strategy
     run.trainer.devices = 1
@@ -785,6 +867,12 @@ def check_elastic(cfg: DictConfig) -> None:
             "for the next quorum up to gossip_timeout after the others, and the lighthouse would form it without it"
         )
     launcher_endpoint(elastic)
+    for key in ("lighthouse_timeout", "lighthouse_wait"):
+        if not elastic[key] > 0:
+            raise ValueError(f"elastic.{key} must be > 0 seconds, got {elastic[key]}")
+    if elastic.lighthouse is not None and any(event.action == "lighthouse" for event in chaos_schedule(cfg)):
+        raise ValueError("elastic.chaos: lighthouse@STEP needs the lighthouse the launcher starts (elastic.lighthouse="
+                         f"{elastic.lighthouse!r} is not)")
     if cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] not in ("GASLoCStrategy", "DiLoCoStrategy"):
         raise ValueError("gasloc-elastic builds its strategy from strategy=gasloc or strategy=diloco settings")
     chaos_schedule(cfg)

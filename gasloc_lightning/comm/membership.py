@@ -13,8 +13,12 @@ matching drawn from (seed, round index, sorted ids) is the same on every member 
 Failures (torchft 0.2.0 behaviour, see ``docs/elastic.md``):
 
 - unreachable lighthouse: :class:`MembershipError` within ``connect_timeout``;
-- fewer than ``min_workers`` live workers, or a lighthouse that died: :meth:`start_quorum` logs that it
-  waits, then raises :class:`MembershipError` after ``quorum_timeout`` (it tells which case it saw);
+- fewer than ``min_workers`` live workers: :meth:`start_quorum` logs that it waits, then raises
+  :class:`MembershipError` after ``quorum_timeout``;
+- a lighthouse that dies, even with a quorum request in flight: the worker waits for it to come back on the same
+  address and goes on (:mod:`~gasloc_lightning.comm.lighthouse_watch`); no request to it waits longer than
+  ``lighthouse_timeout``, and a lighthouse down for longer than ``lighthouse_wait`` fails the worker with a
+  :class:`MembershipError` that says so;
 - a failed exchange is reported with :meth:`commit` *after* the round's collectives: torchft turns the
   collectives of an errored manager into no-ops, which would leave the peers waiting for the timeout.
 
@@ -32,7 +36,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +46,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gasloc_lightning.comm.endpoints import Endpoint
+from gasloc_lightning.comm.lighthouse_watch import (
+    LighthouseWatch,
+    RestartSafeQuorum,
+    needs_new_group,
+    quorum_retries,
+    reachable,
+)
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs ~10 INFO lines per round otherwise
 
@@ -74,12 +84,7 @@ def lighthouse_url(address: str) -> str:
 
 def lighthouse_reachable(address: str, timeout: float = 1.0) -> bool:
     """Whether a TCP connection to the lighthouse opens (no torchft involved)."""
-    parsed = urlparse(lighthouse_url(address))
-    try:
-        with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    return reachable(lighthouse_url(address), timeout=timeout)
 
 
 def worker_name(worker_id: int) -> str:
@@ -131,15 +136,28 @@ class _RefusedPeerState(Exception):
 
 
 class _QuorumRecorder:
-    """Stands in for the Manager's client and keeps the last ``QuorumResult`` (the Manager drops its ``replica_ids``)."""
+    """Stands in for the Manager's client and keeps the last ``QuorumResult`` (the Manager drops its ``replica_ids``).
 
-    def __init__(self, client: Any) -> None:
+    It also makes the result safe across a lighthouse restart (the new lighthouse numbers quorums from 1 again):
+    the process group's rendezvous is keyed by members and round too, and a reused id with other members rebuilds
+    the group (see :func:`~gasloc_lightning.comm.lighthouse_watch.rendezvous_prefix`)."""
+
+    def __init__(self, client: Any, manager: Any) -> None:
         self._inner = client
+        self._manager = manager
         self.last: Any = None
+        self._last_ids: list[str] | None = None
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = self._inner._quorum(*args, **kwargs)
-        return self.last
+        result = RestartSafeQuorum(self._inner._quorum(*args, **kwargs))
+        replica_ids = list(result.replica_ids)
+        if needs_new_group(int(result.quorum_id), replica_ids, self._manager._quorum_id, self._last_ids):
+            log.warning("quorum id %d reused with other members (the lighthouse restarted): new process group",
+                        result.quorum_id)
+            self._manager._quorum_id = -1  # torchft reconfigures only when the id changes
+        self._last_ids = replica_ids
+        self.last = result
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -173,6 +191,11 @@ class ElasticMembership:
             peer is further, so workers resumed at the same round keep their own replicas.
         max_state_bytes: the largest peer state this worker accepts (``None``: any); a larger body is refused
             before it is read.
+        lighthouse_timeout: seconds one quorum request may wait for the lighthouse's answer; then it is asked
+            again (within ``quorum_timeout``). Within it, torchft sends a request the lighthouse dropped (it died)
+            again every 0.5 s, so a lighthouse restarted on the same address answers it.
+        lighthouse_wait: seconds this worker waits for a lighthouse that stopped answering to come back on the
+            same address; then :class:`MembershipError` (at most ``lighthouse_timeout`` later).
     """
 
     def __init__(
@@ -194,6 +217,8 @@ class ElasticMembership:
         secret: bytes,
         start_step: int = 0,
         max_state_bytes: int | None = None,
+        lighthouse_timeout: float = 30.0,
+        lighthouse_wait: float = 60.0,
     ) -> None:
         self._url = lighthouse_url(lighthouse)
         if isinstance(worker_id, bool) or not isinstance(worker_id, int) or worker_id < 0:
@@ -202,7 +227,7 @@ class ElasticMembership:
             raise ValueError(f"min_workers must be an int >= 1, got {min_workers!r}")
         for name, value in (("connect_timeout", connect_timeout), ("quorum_timeout", quorum_timeout),
                             ("gossip_timeout", gossip_timeout), ("transfer_timeout", transfer_timeout),
-                            ("heartbeat_interval", heartbeat_interval)):
+                            ("heartbeat_interval", heartbeat_interval), ("lighthouse_timeout", lighthouse_timeout)):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         self.worker_id, self.name, self.min_workers = worker_id, worker_name(worker_id), min_workers
@@ -226,6 +251,8 @@ class ElasticMembership:
         self.max_workers, self.start_step, self.max_state_bytes = max_workers, start_step, max_state_bytes
         self.endpoint = endpoint if endpoint is not None else Endpoint()
         self._secret = secret
+        self.lighthouse_timeout = float(lighthouse_timeout)
+        self._watch = LighthouseWatch(address=self._url, worker=self.name, lighthouse_wait=lighthouse_wait)
         self._manager: Any = None
         self._transport: Any = None
         self._pg: Any = None
@@ -273,6 +300,8 @@ class ElasticMembership:
                     hostname=endpoint.advertised_host, lighthouse_addr=self._url, replica_id=self.name,
                     heartbeat_interval=timedelta(seconds=self.heartbeat_interval),
                     checkpoint_transport=self._transport,
+                    # a request in flight when the lighthouse dies is sent again, until one restarted answers it
+                    quorum_retries=quorum_retries(min(self.quorum_timeout, self.lighthouse_timeout)),
                     init_sync=True,  # founders too take the first member's state: one start, and a signature check
                 )
         except RuntimeError as error:
@@ -282,7 +311,8 @@ class ElasticMembership:
             ) from error
         # A resumed worker counts its own rounds: it is healed only by a peer that is further.
         self._manager.load_state_dict({"step": self.start_step, "batches_committed": 0})
-        self._recorder = _QuorumRecorder(self._manager._client)  # torchft keeps no member list: record it
+        # torchft keeps no member list: record it
+        self._recorder = _QuorumRecorder(self._manager._client, self._manager)
         self._manager._client = self._recorder
 
     def shutdown(self) -> None:
@@ -387,15 +417,17 @@ class ElasticMembership:
 
     def _next_quorum(self, deadline: float) -> Quorum:
         """One quorum from the lighthouse; a failed request (a timeout or any other error) is asked again until
-        ``deadline``, then :class:`MembershipError` says why."""
+        ``deadline``, then :class:`MembershipError` says why. No request waits longer than ``lighthouse_timeout``."""
         while True:
+            self._wait_for_lighthouse(deadline)
             try:
-                self._wait_for_lighthouse(deadline)
-                return self._ask_quorum(max(0.1, deadline - time.monotonic()))
+                return self._ask_quorum(max(0.1, min(deadline - time.monotonic(), self.lighthouse_timeout)))
             except _RefusedPeerState as refused:  # this worker refused to join: not a quorum failure
                 raise refused.error from refused.error.__cause__
             except Exception as error:  # noqa: BLE001 - torchft raises RuntimeError, TimeoutError, ...
                 self._require_manager()._quorum_future = None  # torchft re-raises a failed quorum forever otherwise
+                if self._watch.gone:
+                    raise MembershipError(self._watch.gone_message()) from error
                 if time.monotonic() >= deadline:
                     raise self._quorum_error(error) from error
                 log.warning("quorum request failed worker=%s error=%s (asking again)", self.name,
@@ -403,10 +435,11 @@ class ElasticMembership:
                 time.sleep(0.2)
 
     def _wait_for_lighthouse(self, deadline: float) -> None:
-        """A quorum request sent while the lighthouse is down hangs until its timeout in torchft 0.2.0, even once
-        the lighthouse is back: ask only when it answers (it may restart on the same address)."""
-        while not lighthouse_reachable(self._url, timeout=0.5) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        """Ask only when the lighthouse answers (it may restart on the same address): a request sent while it is
+        down only waits for torchft's next try. :class:`MembershipError` once it has been down ``lighthouse_wait``."""
+        self._watch.wait_until_up(deadline)
+        if self._watch.gone:
+            raise MembershipError(self._watch.gone_message())
 
     def _ask_quorum(self, timeout: float) -> Quorum:
         manager = self._require_manager()
@@ -415,7 +448,8 @@ class ElasticMembership:
         waiting.daemon = True
         waiting.start()
         try:
-            manager.start_quorum(timeout=timedelta(seconds=timeout))
+            with self._watch.watching():  # a lighthouse that dies meanwhile is logged, and its down time counted
+                manager.start_quorum(timeout=timedelta(seconds=timeout))
         finally:
             waiting.cancel()
         if self._recorder.last is None:

@@ -129,6 +129,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             ``GASLOC_ELASTIC_SECRET`` (``gasloc-elastic`` sets it). Never logged.
         leave_grace_s: seconds after SIGTERM within which this worker finishes its round before it leaves; past
             them it abandons the round.
+        lighthouse_timeout: seconds one request to the lighthouse may wait before it is asked again.
+        lighthouse_wait: seconds a worker waits for a lighthouse that died to come back on the same address (then a
+            clear error); see :class:`~gasloc_lightning.comm.membership.ElasticMembership`.
         **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
             ``ranks_per_worker > 1`` are not supported in the elastic mode).
     """
@@ -153,6 +156,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         advertise: str | None = None,
         secret: str | None = None,
         leave_grace_s: float = 60.0,
+        lighthouse_timeout: float = 30.0,
+        lighthouse_wait: float = 60.0,
         **kwargs: Any,
     ) -> None:
         _check_int("max_workers", max_workers, 1)
@@ -188,6 +193,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             connect_timeout=connect_timeout, quorum_timeout=quorum_timeout, gossip_timeout=gossip_timeout,
             transfer_timeout=transfer_timeout, heartbeat_interval=heartbeat_interval,
             first_quorum_delay=first_quorum_delay, endpoint=Endpoint(bind=bind, advertise=advertise), secret=key,
+            lighthouse_timeout=lighthouse_timeout, lighthouse_wait=lighthouse_wait,
         )
         ElasticMembership(**self._membership_args, state_dict=dict, load_state_dict=print)  # validates the args
         self._membership: ElasticMembership | None = None
