@@ -246,3 +246,14 @@ def test_error_feedback_on_stacked_rows_and_its_state_round_trips():
 def test_error_feedback_arguments_are_validated_by_name(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         ErrorFeedback(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spelling", ["topk-0.05-int2", "topk-0.01-int8", "topk-0.3-float32"])
+def test_cuda_keeps_the_same_entries_and_bytes_as_cpu(spelling):
+    codec = build_codec(spelling, block_size=5)
+    x = sample(2, 1001, seed=8).round(decimals=1)  # ties at the threshold
+    wire, decoded = round_trip(codec, x.cuda())
+    cpu_wire, cpu_decoded = round_trip(codec, x)
+    assert torch.equal(wire.cpu(), cpu_wire) and torch.equal(decoded.cpu(), cpu_decoded)

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from gasloc_lightning.algorithm import fused as fused_kernels
-from gasloc_lightning.algorithm.codecs import CODEC_SPELLINGS, MessageCodec, build_codec
+from gasloc_lightning.algorithm.codecs import MessageCodec, build_codec
 from gasloc_lightning.algorithm.outer import OuterState, all_finite, mix, validate_outer_hyperparameters
 
 Received = Sequence[tuple[float, Tensor]]
@@ -57,7 +57,7 @@ def check_codec(message_codec: str) -> str:
     try:
         build_codec(message_codec)
     except ValueError as error:
-        raise ValueError(f"message_codec must be {CODEC_SPELLINGS}, got {message_codec!r} ({error})") from None
+        raise ValueError(f"message_codec={message_codec!r} is not a codec: {error}") from None
     return message_codec
 
 
@@ -123,9 +123,9 @@ class GossipRound:
         if error_feedback and message_codec == "float32":
             raise ValueError("error_feedback needs a lossy message_codec (int8, fp8, int4, int2, bfloat16)")
         if build_codec(message_codec).sparse:
-            # Without feedback the rest of the point is sent as zeros; with the per-edge copies below and the
-            # full (undamped) step, top-k at density 0.1 on a ring of 4 does not converge (the spread grew 3x in
-            # 300 rounds; 0.3 converges): CHOCO needs a damped consensus step there, which this round lacks.
+            # Without feedback the rest of the point is sent as zeros. With the per-edge copies below and the
+            # full (undamped) step, the spread grows below about 30% density (benchmarks/topk_gossip.py: at 1%
+            # only a step of 0.05 contracts): CHOCO needs a damped consensus step, which this round lacks.
             raise ValueError(f"message_codec={message_codec!r} is sparse: gossip does not take it yet (it needs "
                              "error feedback with a damped consensus step, see docs/compression.md)")
         self.num_parameters, self.numel = int(num_parameters), int(numel)
