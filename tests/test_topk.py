@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+
+from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy
 
 from gasloc_lightning.algorithm.codecs import CODECS, TopKCodec, build_codec
 from gasloc_lightning.algorithm.error_feedback import ErrorFeedback, mean_of_wires
 from gasloc_lightning.algorithm.round import EncodedMean, GossipRound, check_codec, wire_format
+from gasloc_lightning.app import sim as sim_app
+from gasloc_lightning.app.config import config_dir
+from gasloc_lightning.sim import DiLoCoRounds, WorkerClocks
+from gasloc_lightning.strategies.elastic import ElasticDiLoCoStrategy, ElasticGASLoCStrategy
 
 
 def sample(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -128,7 +135,7 @@ def test_spellings_build_a_codec_whose_name_rebuilds_it(spelling, density, value
     assert (codec.density, codec.values.name) == (density, values)
     again = build_codec(codec.name)
     assert (again.name, again.density, again.values.name) == (codec.name, density, values)
-    assert check_codec(spelling) == spelling
+    assert check_codec(spelling, allow_sparse=True) == spelling
     assert wire_format(spelling, 1000) == (codec.wire_numel(1000), torch.uint8)
     assert not any(build_codec(name).sparse for name in CODECS)
 
@@ -166,6 +173,42 @@ def test_the_round_refuses_top_k_where_it_would_drop_most_of_the_message(error_f
                     error_feedback=error_feedback)
     with pytest.raises(ValueError, match="all-gather"):
         EncodedMean("topk-0.1-int4", 100, 2)
+
+
+# ---------------------------------------------------------------------------- refused at every entry point
+# No engine sends a sparse codec yet: each entry point must say so when it is built, not at setup or at the
+# first round, and say where top-k can be used today.
+
+NOT_WIRED = r"is a sparse \(top-k\) codec, which is not wired into the engines yet.*benchmarks/topk_gossip.py"
+
+
+def test_check_codec_refuses_sparse_codecs_unless_allowed_naming_the_argument():
+    with pytest.raises(ValueError, match="strategy.message_codec='topk-0.1' " + NOT_WIRED):
+        check_codec("topk-0.1", argument="strategy.message_codec")
+    assert check_codec("int4") == "int4"
+
+
+@pytest.mark.parametrize("build", [
+    lambda: GASLoCStrategy(message_codec="topk"),
+    lambda: DiLoCoStrategy(message_codec="topk-0.01-int2"),
+    lambda: ElasticGASLoCStrategy(lighthouse="127.0.0.1:1", worker_id=0, message_codec="topk"),
+    lambda: ElasticDiLoCoStrategy(lighthouse="127.0.0.1:1", worker_id=0, message_codec="topk-0.01-int2"),
+    lambda: DiLoCoRounds(initial=torch.zeros(2, 10), outer_lr=0.7, outer_momentum=0.9, clocks=WorkerClocks(None, 2),
+                         message_codec="topk-0.1-int4"),
+], ids=["gasloc", "diloco", "elastic", "elastic_diloco", "sim_diloco_rounds"])
+def test_strategies_refuse_top_k_at_construction(build):
+    with pytest.raises(ValueError, match="message_codec='topk[^']*' " + NOT_WIRED):
+        build()
+
+
+@pytest.mark.parametrize("strategy, codec", [("gasloc", "topk"), ("diloco", "topk-0.01-int2")])
+def test_gasloc_sim_refuses_top_k_in_its_config_check(strategy, codec, tmp_path):
+    overrides = ["experiment=demo", f"strategy={strategy}", f"strategy.message_codec={codec}",
+                 f"data.source={tmp_path / 'missing.txt'}", f"cache_dir={tmp_path}", f"output_dir={tmp_path}"]
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("sim/app", overrides=overrides)
+    with pytest.raises(ValueError, match=f"strategy.message_codec='{codec}' " + NOT_WIRED):
+        sim_app.build(cfg)
 
 
 # ---------------------------------------------------------------------------- error feedback

@@ -52,18 +52,33 @@ from gasloc_lightning.algorithm.outer import OuterState, all_finite, mix, valida
 Received = Sequence[tuple[float, Tensor]]
 
 
-def check_codec(message_codec: str) -> str:
-    """Raise ``ValueError`` naming the argument when the codec is unknown (see :func:`build_codec`)."""
+def check_codec(message_codec: str, *, allow_sparse: bool = False, argument: str = "message_codec") -> str:
+    """Return ``message_codec``; raise ``ValueError`` naming ``argument`` when it is unknown or sparse.
+
+    Every entry point that takes a codec (the strategies' constructors, the apps' config checks, the
+    simulator's rounds) calls this, so a user learns at once, not at setup or at the first round.
+
+    Args:
+        message_codec: a codec name (see :func:`build_codec`).
+        allow_sparse: accept a sparse (top-k) codec. No engine sends one yet, so only the codec layer's own
+            tools (wire sizes, tests, benchmarks) pass True.
+        argument: the argument or config key to name in the error (``strategy.message_codec`` in a config).
+    """
     try:
-        build_codec(message_codec)
+        sparse = build_codec(message_codec).sparse
     except ValueError as error:
-        raise ValueError(f"message_codec={message_codec!r} is not a codec: {error}") from None
+        raise ValueError(f"{argument}={message_codec!r} is not a codec: {error}") from None
+    if sparse and not allow_sparse:
+        raise ValueError(f"{argument}={message_codec!r} is a sparse (top-k) codec, which is not wired into the "
+                         "engines yet (strategies, elastic mode, simulator). Today it can be used through the codec "
+                         "API (gasloc_lightning.algorithm.codecs.build_codec, algorithm/error_feedback.py) and "
+                         "benchmarks/topk_gossip.py; see docs/compression.md")
     return message_codec
 
 
 def wire_format(message_codec: str, numel: int) -> tuple[int, torch.dtype]:
     """``(elements, dtype)`` of one message of ``numel`` float32 elements on the wire (a transport's buffers)."""
-    check_codec(message_codec)
+    check_codec(message_codec, allow_sparse=True)
     if message_codec == "float32":
         return numel, torch.float32
     if message_codec == "bfloat16":
@@ -119,7 +134,7 @@ class GossipRound:
             raise ValueError("stacked rows carry parameters only: num_parameters must equal the row length")
         if not 0.0 < delayed_weight <= 1.0:
             raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
-        self.message_codec = check_codec(message_codec)
+        self.message_codec = check_codec(message_codec, allow_sparse=True)  # refused below, with the reason
         if error_feedback and message_codec == "float32":
             raise ValueError("error_feedback needs a lossy message_codec (int8, fp8, int4, int2, bfloat16)")
         if build_codec(message_codec).sparse:
@@ -517,7 +532,7 @@ class EncodedMean:
     """
 
     def __init__(self, message_codec: str, numel: int, workers: int) -> None:
-        if check_codec(message_codec) == "float32":
+        if check_codec(message_codec, allow_sparse=True) == "float32":  # sparse: refused below, with the reason
             raise ValueError("EncodedMean is for lossy codecs; a float32 mean is a plain all-reduce")
         if message_codec == "int2":
             raise ValueError("message_codec='int2' has no zero level (0 decodes to +scale/2), so a mean of encoded "
