@@ -39,12 +39,27 @@ caller checks the decoded message for finiteness.
 Decoding is exact integer-to-float conversion then one multiplication by the scale, so every device
 decodes a given wire to the same bits; an engine may rely on its own ``decoded`` message being exactly
 what its peers decode from its wire.
+
+**Top-k** (:class:`TopKCodec`, named ``topk``, ``topk-<density>`` or ``topk-<density>-<values>``, e.g.
+``topk-0.01-int2``): a sparse codec. Each row keeps its k = ceil(density P) entries of largest magnitude
+(ties: the lowest index; NaN ranks above +-inf) and sends ``[ indices | values ]``: the k indices in
+ascending order (int32; int64 beyond 2^31 - 1 elements) and the k values encoded by a dense codec above
+(``values``, default int4, with one scale per ``block_size`` *kept* values: a ``block_size`` of at least k
+is one scale per message). Every other entry decodes to exactly 0, so the codec is meant for a message
+with error feedback (the dropped part is kept and sent later: ``algorithm/error_feedback.py`` for
+DiLoCo-like means; gossip's per-edge copies would also need a damped step; no engine takes a sparse codec yet, and
+``round.check_codec`` refuses one at every entry point, see docs/compression.md). At 1% density the wire is
+0.0107x (int2) to 0.0126x (int8) float32's bytes; the indices are most of it. A wire whose indices are
+out of range or not increasing (corrupted on the way) decodes to a row of NaN, never to an error, so
+the caller's finiteness check rejects it.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -54,6 +69,10 @@ CODECS: tuple[str, ...] = ("float32", "bfloat16", "int8", "fp8", "int4", "int2")
 # coarsens only its own 128 elements.
 DEFAULT_BLOCK_SIZE = 128
 _SCALE_BYTES = 4  # float32 scales
+TOPK = "topk"  # the sparse family: topk, topk-<density>, topk-<density>-<values>
+# 1%: SparseLoCo's range is 1-3%. int4 values: a zero level (int2 has none) at 0.0113x float32's bytes.
+DEFAULT_TOPK_DENSITY = 0.01
+DEFAULT_TOPK_VALUES = "int4"
 
 
 class MessageCodec(abc.ABC):
@@ -65,6 +84,7 @@ class MessageCodec(abc.ABC):
 
     name: str
     lossless: bool = False
+    sparse: bool = False  # most entries decode to 0: usable only with error feedback
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -276,21 +296,115 @@ class Int2Codec(_PackedCodec):
         return scaled.floor_().clamp_(-2, 1)  # code = floor(v) + 2, decoded as code - 1.5
 
 
+class TopKCodec(MessageCodec):
+    """Top-k sparsification: the k = ceil(density P) largest-magnitude entries of each row, as indices plus
+    values in a dense codec; every other entry decodes to exactly 0 (see the module docstring).
+
+    Args:
+        density: the kept share of the entries, in (0, 1] (taken as the decimal it prints as, so
+            0.07 x 100 keeps 7).
+        values: the dense codec of the kept values (one of :data:`CODECS`; int2 sends a kept exact zero
+            as +scale/2, which only happens when a row has fewer than k non-zero entries).
+        block_size: kept values sharing one scale (>= k: one scale per message).
+    """
+
+    sparse = True
+
+    def __init__(self, density: float = DEFAULT_TOPK_DENSITY, values: str = DEFAULT_TOPK_VALUES,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
+        super().__init__(block_size=block_size)
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be a number in (0, 1], got {density!r}")
+        if values not in _CODEC_CLASSES:
+            raise ValueError(f"values must be one of {list(CODECS)}, got {values!r}")
+        self.density = float(density)
+        self._share = Fraction(repr(self.density))  # exact, so k does not depend on float rounding
+        self.values = build_codec(values, block_size=block_size)
+        self.name = f"{TOPK}-{self.density!r}-{values}"  # canonical: build_codec(name) rebuilds this codec
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(density={self.density!r}, values={self.values.name!r}, block_size={self.block_size})"
+
+    def kept(self, numel: int) -> int:
+        """k, the entries kept of a ``numel``-element message: ceil(density numel), at least 1."""
+        return max(1, math.ceil(self._share * _check_numel(numel)))
+
+    def wire_numel(self, numel: int) -> int:
+        k = self.kept(numel)
+        return k * _index_dtype(numel).itemsize + self.values.wire_numel(k)
+
+    def _encode(self, x: Tensor, wire: Tensor, scratch: Tensor | None) -> None:
+        numel, k = x.shape[-1], self.kept(x.shape[-1])
+        indices = _top_indices(x, k)  # (..., k), ascending
+        index_bytes = k * _index_dtype(numel).itemsize
+        wire[..., :index_bytes].copy_(indices.to(_index_dtype(numel)).view(torch.uint8))
+        # The value codec writes into a contiguous wire of its own: a row's value bytes may sit at any offset.
+        values_wire = self.values.new_wire(k, *x.shape[:-1], device=x.device)
+        self.values.encode(torch.gather(x, -1, indices), values_wire)
+        wire[..., index_bytes:].copy_(values_wire)
+
+    def _decode(self, wire: Tensor, out: Tensor) -> None:
+        numel, k = out.shape[-1], self.kept(out.shape[-1])
+        index_bytes = k * _index_dtype(numel).itemsize
+        indices = _aligned(wire[..., :index_bytes]).view(_index_dtype(numel)).long()  # (..., k)
+        values = self.values.decode(_aligned(wire[..., index_bytes:]),
+                                    torch.empty(*out.shape[:-1], k, device=out.device))
+        in_range = ((indices >= 0) & (indices < numel)).all(dim=-1, keepdim=True)
+        increasing = (indices[..., 1:] > indices[..., :-1]).all(dim=-1, keepdim=True)
+        # A corrupted wire must not make scatter fail (or write out of bounds): its row decodes to NaN.
+        valid = in_range & increasing  # (..., 1)
+        out.zero_().scatter_(-1, torch.where(in_range, indices, 0), values)
+        out.masked_fill_(~valid, math.nan)
+
+
 _CODEC_CLASSES: dict[str, type[MessageCodec]] = {
     codec.name: codec for codec in (Float32Codec, BFloat16Codec, Int8Codec, Fp8Codec, Int4Codec, Int2Codec)
 }
+CODEC_SPELLINGS = (f"one of {list(CODECS)}, or {TOPK!r}, '{TOPK}-<density>' or '{TOPK}-<density>-<values>' "
+                   f"(e.g. 'topk-0.01-int2')")
 
 
 def build_codec(name: str, block_size: int = DEFAULT_BLOCK_SIZE) -> MessageCodec:
-    """The codec called ``name`` (one of :data:`CODECS`).
+    """The codec called ``name``: one of :data:`CODECS`, or a top-k spelling (``topk``, ``topk-<density>``,
+    ``topk-<density>-<values>``).
 
     Args:
         name: the codec's name.
-        block_size: elements sharing one scale in the block codecs (int8, fp8, int4, int2).
+        block_size: elements sharing one scale in the block codecs (int8, fp8, int4, int2); for top-k, kept
+            values sharing one scale.
     """
+    if isinstance(name, str) and (name == TOPK or name.startswith(f"{TOPK}-")):
+        return _build_topk(name, block_size)
     if name not in _CODEC_CLASSES:
-        raise ValueError(f"name must be one of {list(CODECS)}, got {name!r}")
+        raise ValueError(f"name must be {CODEC_SPELLINGS}, got {name!r}")
     return _CODEC_CLASSES[name](block_size=block_size)
+
+
+def check_codec_name(name: str) -> str:
+    """``name`` when it names a codec (see :func:`build_codec`); else ``ValueError`` naming the spellings."""
+    build_codec(name)
+    return name
+
+
+def _build_topk(name: str, block_size: int) -> TopKCodec:
+    if name == TOPK:
+        return TopKCodec(block_size=block_size)
+    options = name[len(TOPK) + 1:]  # "<density>" or "<density>-<values>"
+    density_text, values = options, DEFAULT_TOPK_VALUES
+    head, _, tail = options.rpartition("-")
+    if tail in _CODEC_CLASSES:
+        density_text, values = head, tail
+    try:
+        density = float(density_text)
+    except ValueError:
+        raise ValueError(f"name must be {CODEC_SPELLINGS}; {name!r} has no density (a number in (0, 1]) after "
+                         f"'{TOPK}-'") from None
+    if not math.isfinite(density):
+        raise ValueError(f"the density in {name!r} must be a number in (0, 1], got {density_text!r}")
+    try:
+        return TopKCodec(density=density, values=values, block_size=block_size)
+    except ValueError as error:
+        raise ValueError(f"codec {name!r}: {error}") from None
 
 
 def _check_numel(numel: int) -> int:
@@ -364,3 +478,29 @@ def _unpack(values: Tensor, out: Tensor, bits: int) -> None:
         destination = out[..., k::per_byte]
         source = values[..., :destination.shape[-1]]
         destination.copy_((source >> (bits * k)) & mask if k else source & mask)
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def _aligned(wire_bytes: Tensor) -> Tensor:
+    """A contiguous copy of some wire bytes (a view as a wider dtype needs aligned, contiguous storage)."""
+    return torch.empty_like(wire_bytes, memory_format=torch.contiguous_format).copy_(wire_bytes)
+
+
+def _top_indices(x: Tensor, k: int) -> Tensor:
+    """Indices ``(..., k)``, ascending, of each row's k largest |x|; ties go to the lowest index, NaN first.
+
+    ``torch.topk`` picks among tied entries in an order no device promises, so it only gives the k-th
+    largest magnitude here; which entries are kept is then decided by comparisons and, on a tie at that
+    threshold, by index.
+    """
+    magnitude = x.abs().nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN kept, so a bad row decodes non-finite
+    threshold = magnitude.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # (..., 1)
+    above = magnitude > threshold
+    tied = magnitude == threshold
+    missing = k - above.sum(dim=-1, keepdim=True)  # tied entries to keep, lowest indices first
+    if bool((tied.sum(dim=-1, keepdim=True) > missing).any()):
+        tied &= tied.cumsum(dim=-1) <= missing
+    return (above | tied).nonzero()[:, -1].view(*x.shape[:-1], k)

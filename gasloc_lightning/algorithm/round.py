@@ -46,22 +46,39 @@ import torch
 from torch import Tensor, nn
 
 from gasloc_lightning.algorithm import fused as fused_kernels
-from gasloc_lightning.algorithm.codecs import CODECS, MessageCodec, build_codec
+from gasloc_lightning.algorithm.codecs import MessageCodec, build_codec
 from gasloc_lightning.algorithm.outer import OuterState, all_finite, mix, validate_outer_hyperparameters
 
 Received = Sequence[tuple[float, Tensor]]
 
 
-def check_codec(message_codec: str) -> str:
-    """Raise ``ValueError`` naming the argument when the codec is unknown."""
-    if message_codec not in CODECS:
-        raise ValueError(f"message_codec must be one of {list(CODECS)}, got {message_codec!r}")
+def check_codec(message_codec: str, *, allow_sparse: bool = False, argument: str = "message_codec") -> str:
+    """Return ``message_codec``; raise ``ValueError`` naming ``argument`` when it is unknown or sparse.
+
+    Every entry point that takes a codec (the strategies' constructors, the apps' config checks, the
+    simulator's rounds) calls this, so a user learns at once, not at setup or at the first round.
+
+    Args:
+        message_codec: a codec name (see :func:`build_codec`).
+        allow_sparse: accept a sparse (top-k) codec. No engine sends one yet, so only the codec layer's own
+            tools (wire sizes, tests, benchmarks) pass True.
+        argument: the argument or config key to name in the error (``strategy.message_codec`` in a config).
+    """
+    try:
+        sparse = build_codec(message_codec).sparse
+    except ValueError as error:
+        raise ValueError(f"{argument}={message_codec!r} is not a codec: {error}") from None
+    if sparse and not allow_sparse:
+        raise ValueError(f"{argument}={message_codec!r} is a sparse (top-k) codec, which is not wired into the "
+                         "engines yet (strategies, elastic mode, simulator). Today it can be used through the codec "
+                         "API (gasloc_lightning.algorithm.codecs.build_codec, algorithm/error_feedback.py) and "
+                         "benchmarks/topk_gossip.py; see docs/compression.md")
     return message_codec
 
 
 def wire_format(message_codec: str, numel: int) -> tuple[int, torch.dtype]:
     """``(elements, dtype)`` of one message of ``numel`` float32 elements on the wire (a transport's buffers)."""
-    check_codec(message_codec)
+    check_codec(message_codec, allow_sparse=True)
     if message_codec == "float32":
         return numel, torch.float32
     if message_codec == "bfloat16":
@@ -117,9 +134,15 @@ class GossipRound:
             raise ValueError("stacked rows carry parameters only: num_parameters must equal the row length")
         if not 0.0 < delayed_weight <= 1.0:
             raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
-        self.message_codec = check_codec(message_codec)
+        self.message_codec = check_codec(message_codec, allow_sparse=True)  # refused below, with the reason
         if error_feedback and message_codec == "float32":
             raise ValueError("error_feedback needs a lossy message_codec (int8, fp8, int4, int2, bfloat16)")
+        if build_codec(message_codec).sparse:
+            # Without feedback the rest of the point is sent as zeros. With the per-edge copies below and the
+            # full (undamped) step, the spread grows below about 30% density (benchmarks/topk_gossip.py: at 1%
+            # only a step of 0.05 contracts): CHOCO needs a damped consensus step, which this round lacks.
+            raise ValueError(f"message_codec={message_codec!r} is sparse: gossip does not take it yet (it needs "
+                             "error feedback with a damped consensus step, see docs/compression.md)")
         self.num_parameters, self.numel = int(num_parameters), int(numel)
         self.overlap = bool(overlap)
         self.by_correction = self.overlap or message_codec != "float32"
@@ -509,11 +532,15 @@ class EncodedMean:
     """
 
     def __init__(self, message_codec: str, numel: int, workers: int) -> None:
-        if check_codec(message_codec) == "float32":
+        if check_codec(message_codec, allow_sparse=True) == "float32":  # sparse: refused below, with the reason
             raise ValueError("EncodedMean is for lossy codecs; a float32 mean is a plain all-reduce")
         if message_codec == "int2":
             raise ValueError("message_codec='int2' has no zero level (0 decodes to +scale/2), so a mean of encoded "
                              "pseudo-gradients moves every parameter that did not move: use int4 or int8 for DiLoCo")
+        if build_codec(message_codec).sparse:
+            raise ValueError(f"message_codec={message_codec!r} is sparse: the owner of a chunk would re-encode the "
+                             "mean and drop most of it. A sparse mean is an all-gather of the workers' encodings "
+                             "with error feedback (algorithm/error_feedback.py), not a quantized all-reduce")
         if workers < 1 or numel < 1:
             raise ValueError(f"workers and numel must be >= 1, got {workers} and {numel}")
         self.codec = build_codec(message_codec)

@@ -20,6 +20,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from gasloc_lightning.algorithm.round import check_codec
+
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 OUTER_FORMS = ("anchored", "post_mix")
@@ -296,6 +298,7 @@ def check_choices(cfg: DictConfig) -> None:
     outer_form = strategy.get("outer_form", "anchored")
     if outer_form not in OUTER_FORMS:
         raise ValueError(f"strategy.outer_form must be one of {OUTER_FORMS}, got {outer_form!r}")
+    check_codec(strategy.get("message_codec") or "float32", argument="strategy.message_codec")
 
 
 register_schemas()

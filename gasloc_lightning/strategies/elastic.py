@@ -62,7 +62,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from gasloc_lightning.algorithm.round import GossipRound
+from gasloc_lightning.algorithm.round import GossipRound, check_codec
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.flat import all_finite
@@ -168,6 +168,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         for name in ("overlap", "network", "error_feedback", "fragment_sync_delay", "fragment_update_alpha"):
             if kwargs.get(name):
                 raise ValueError(f"{name} is not supported by {type(self).__name__}; leave it unset")
+        check_codec(kwargs.get("message_codec") or "float32")  # a sparse codec: say where it can be used today
         for name in ("message_codec", "message_dtype"):
             if kwargs.get(name) not in (None, "float32"):
                 raise ValueError(f"{type(self).__name__} sends float32 messages: {name} must be 'float32'")

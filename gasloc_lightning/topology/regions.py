@@ -1,0 +1,255 @@
+"""Two-level mixing: regions (docs/algorithm.md, "Two levels: regions").
+
+Workers fall into r regions (data centres, clouds): fast links inside a region, slow links across. The
+outer step is unchanged (it accepts any symmetric doubly stochastic W_t); the two levels are two kinds
+of W_t:
+
+- **Region round** (every round but the cross rounds): ``W_t = B``, the exact average inside each
+  region, ``(B v)_i = mean of v_j over j in R(i)``. B is symmetric, doubly stochastic and a projection.
+- **Cross round** (every ``cross_every``-th round, K): ``W_t = B C_t B``. C_t lifts a mixing between
+  regions, ``W_R(t)`` (an r x r matrix from a :class:`Topology` on the regions; default ``one_peer``, a
+  random matching of regions with w = 1/2), to the ranks: the rank with local index l in region A mixes
+  with the rank of local index l in region A' with weight ``W_R[A, A']``, when A' has such a rank; the
+  weight of a missing partner stays on the diagonal. So C_t is symmetric and doubly stochastic, and
+  positive semidefinite when W_R(t) is (a matching is), and so is B C_t B.
+
+After a region round every member of a region holds the same point, so in a cross round of regions of
+m ranks each, rank l carries only the l-th 1/m of the region's point across (reduce-scatter inside, the
+rank-to-rank exchange of shards, all-gather inside): the same result as the matrix B C B. Regions of
+different sizes are allowed; the pairs are then the local indices both regions have, and the mean over
+*ranks* is what is preserved (the mean over regions is not).
+
+Two reductions: with one region, B = (1/n) 1 1^T and C = I, so every round is DiLoCo's all-reduce
+mean; with one worker per region, B = I and B C B = C, so the cross rounds are GASLoC on the regions'
+topology and the region rounds are rounds without exchange (W = I; with K = 1 there are none).
+
+:class:`TwoLevelTopology` is a :class:`Topology`, so its consensus rate and stable momenta come from
+the same machinery as every graph's (exact for a fixed region topology, whose W_t commute; simulated
+for a random one). Its ``mixing_weights`` are the dense rows of W_t: correct for a pairwise engine, but
+an engine should apply B as an all-reduce inside the region.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from gasloc_lightning.topology.bandwidth_aware import _clusters_from_bandwidth
+from gasloc_lightning.topology.base import _DTYPE, Topology, TopologyError, _is_index
+from gasloc_lightning.topology.random_graphs import OnePeerTopology
+
+_SYMMETRY_TOL = 1e-12
+
+
+class Regions:
+    """The region of every rank: labels (ints or names, e.g. host names) turned into region indices.
+
+    Regions are numbered in order of first appearance; a region's members keep the order of their
+    ranks, and a rank's *local index* is its position among them (rank l of region A pairs with rank l
+    of region A' in a cross round).
+
+    Args:
+        assignment: the region label of every rank, e.g. ``[0, 0, 1, 1]`` or
+            ``["gcp-a", "gcp-a", "aws-b", "aws-b"]``.
+    """
+
+    def __init__(self, assignment: Sequence[Hashable]) -> None:
+        if isinstance(assignment, (str, bytes)) or not isinstance(assignment, Sequence) or len(assignment) == 0:
+            raise TopologyError(f"regions must be a non-empty list with the region of every rank, got {assignment!r}")
+        for rank, label in enumerate(assignment):
+            if isinstance(label, bool) or not isinstance(label, (int, str)) or label == "":
+                raise TopologyError(f"regions[{rank}] must be a region index or a non-empty name, got {label!r}")
+        groups: dict[Hashable, list[int]] = {}
+        for rank, label in enumerate(assignment):
+            groups.setdefault(label, []).append(rank)
+        self._names = tuple(groups)
+        self._members = tuple(tuple(ranks) for ranks in groups.values())
+        self._region_of = [0] * len(assignment)
+        self._local_index = [0] * len(assignment)
+        for region, ranks in enumerate(self._members):
+            for local, rank in enumerate(ranks):
+                self._region_of[rank], self._local_index[rank] = region, local
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[int]) -> Regions:
+        """Regions of the given sizes over consecutive ranks (node-major, as torchrun numbers them)."""
+        valid = not isinstance(sizes, (str, numbers.Number)) and isinstance(sizes, Sequence) and len(sizes) > 0
+        if not valid or not all(_is_index(size) and size > 0 for size in sizes):
+            raise TopologyError(f"sizes must be a non-empty list of positive ints, got {sizes!r}")
+        return cls([region for region, size in enumerate(sizes) for _ in range(size)])
+
+    @classmethod
+    def from_bandwidth(cls, bandwidth: Sequence[Sequence[float]] | Tensor) -> Regions:
+        """Regions as the clusters of fast links of an n x n bandwidth matrix (as ``bandwidth_aware`` finds them)."""
+        return cls(_clusters_from_bandwidth(bandwidth))
+
+    def __repr__(self) -> str:
+        return f"Regions(names={list(self._names)}, sizes={list(self.sizes)})"
+
+    @property
+    def world_size(self) -> int:
+        return len(self._region_of)
+
+    @property
+    def num_regions(self) -> int:
+        """r."""
+        return len(self._members)
+
+    @property
+    def names(self) -> tuple[Hashable, ...]:
+        """The label of every region, by region index."""
+        return self._names
+
+    @property
+    def members(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of every region, by region index."""
+        return self._members
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(map(len, self._members))
+
+    def region_of(self, rank: int) -> int:
+        """R(i), the region index of ``rank``."""
+        return self._region_of[self._check_rank(rank)]
+
+    def local_index(self, rank: int) -> int:
+        """The position of ``rank`` among its region's members."""
+        return self._local_index[self._check_rank(rank)]
+
+    def average_matrix(self) -> Tensor:
+        """B (n, n) float64: the exact average inside every region."""
+        matrix = torch.zeros(self.world_size, self.world_size, dtype=_DTYPE)
+        for ranks in self._members:
+            index = torch.tensor(ranks)
+            matrix[index.unsqueeze(1), index] = 1.0 / len(ranks)
+        return matrix
+
+    def lift(self, region_matrix: Tensor) -> Tensor:
+        """C (n, n) float64: the region-level mixing ``W_R`` (r, r) applied between ranks of equal local index.
+
+        Args:
+            region_matrix: symmetric, doubly stochastic, non-negative off the diagonal.
+        """
+        region_matrix = _check_region_matrix(region_matrix, self.num_regions)
+        lifted = torch.eye(self.world_size, dtype=_DTYPE)
+        for a, b in (region_matrix - torch.diag(region_matrix.diagonal())).nonzero().tolist():
+            weight = float(region_matrix[a, b])
+            for i, j in zip(self._members[a], self._members[b]):  # local indices both regions have
+                lifted[i, j] += weight
+                lifted[i, i] -= weight
+        return lifted
+
+    def _check_rank(self, rank: int) -> int:
+        if not _is_index(rank) or not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        return rank
+
+
+class TwoLevelTopology(Topology):
+    """Region rounds (W = B) every round and a cross round (W = B C B) every ``cross_every`` rounds.
+
+    Round t is a cross round when ``(t + 1) % cross_every == 0`` (the K-th, 2K-th, ... round); its region
+    mixing is ``region_topology``'s W_R at round ``t // cross_every`` on r regions, so a random region
+    topology draws a fresh matching at every crossing.
+
+    Args:
+        regions: the region of every rank (a :class:`Regions`, or the labels it takes).
+        cross_every: K >= 1, the rounds per cross round.
+        region_topology: the mixing between regions (a :class:`Topology` on r ranks); default ``one_peer``.
+        seed: the seed of the default region topology (a given topology keeps its own).
+    """
+
+    name = "two_level"
+    time_varying = True
+
+    def __init__(self, regions: Regions | Sequence[Hashable], *, cross_every: int = 1,
+                 region_topology: Topology | None = None, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self._regions = regions if isinstance(regions, Regions) else Regions(regions)
+        if not _is_index(cross_every) or cross_every < 1:
+            raise TopologyError(f"cross_every (K) must be an int >= 1, got {cross_every!r}")
+        if region_topology is not None and not isinstance(region_topology, Topology):
+            raise TopologyError(f"region_topology must be a Topology or None, got {type(region_topology).__name__}")
+        if isinstance(region_topology, TwoLevelTopology):
+            raise TopologyError("region_topology must mix the regions themselves, not be two-level again")
+        self._cross_every = int(cross_every)
+        self._region_topology = OnePeerTopology(seed=seed) if region_topology is None else region_topology
+        self._region_topology.check_world_size(self._regions.num_regions)
+
+    def __repr__(self) -> str:
+        return (f"TwoLevelTopology(regions={self._regions!r}, cross_every={self._cross_every}, "
+                f"region_topology={self._region_topology!r})")
+
+    @property
+    def regions(self) -> Regions:
+        return self._regions
+
+    @property
+    def cross_every(self) -> int:
+        """K."""
+        return self._cross_every
+
+    @property
+    def region_topology(self) -> Topology:
+        return self._region_topology
+
+    def check_world_size(self, world_size: int) -> None:
+        super().check_world_size(world_size)
+        if world_size != self._regions.world_size:
+            raise TopologyError(f"topology 'two_level' was built for {self._regions.world_size} ranks (the length of "
+                                f"its region list), got world_size {world_size}")
+
+    def schedule_period(self, world_size: int) -> int | None:
+        period = self._region_topology.schedule_period(self._regions.num_regions)
+        return None if period is None else period * self._cross_every
+
+    def is_cross_round(self, round_index: int) -> bool:
+        """Whether round t mixes across regions (W = B C B) rather than only inside them (W = B)."""
+        if not _is_index(round_index) or round_index < 0:
+            raise TopologyError(f"round_index must be an int >= 0, got {round_index!r}")
+        return (round_index + 1) % self._cross_every == 0
+
+    def region_mixing_matrix(self, round_index: int) -> Tensor:
+        """W_R (r, r) of cross round t: the region topology's matrix at round ``t // K``."""
+        return self._region_topology.mixing_matrix(self._regions.num_regions, round_index // self._cross_every)
+
+    def cross_matrix(self, round_index: int) -> Tensor:
+        """C (n, n) of round t (the lifted W_R; I on a region round)."""
+        if not self.is_cross_round(round_index):
+            return torch.eye(self._regions.world_size, dtype=_DTYPE)
+        return self._regions.lift(self.region_mixing_matrix(round_index))
+
+    def cross_peers(self, rank: int, round_index: int) -> dict[int, float]:
+        """The ranks ``rank`` exchanges with across regions in round t, with their weights in C ({}: none)."""
+        row = self.cross_matrix(round_index)[self._regions._check_rank(rank)]
+        return {j: float(row[j]) for j in row.nonzero().flatten().tolist() if j != rank}
+
+    def mixing_matrix(self, world_size: int, round_index: int, sparse: bool = False) -> Tensor:
+        self.check_world_size(world_size)
+        average = self._regions.average_matrix()
+        matrix = average
+        if self.is_cross_round(round_index):
+            matrix = average @ self.cross_matrix(round_index) @ average
+            matrix = (matrix + matrix.T) / 2  # symmetric to the last bit (the product is, up to rounding)
+        return matrix.to_sparse() if sparse else matrix
+
+    def mixing_weights(self, rank: int, world_size: int, round_index: int) -> dict[int, float]:
+        row = self.mixing_matrix(world_size, round_index)[self._regions._check_rank(rank)]
+        return {j: float(row[j]) for j in row.nonzero().flatten().tolist() if j != rank}
+
+
+def _check_region_matrix(matrix: Tensor, num_regions: int) -> Tensor:
+    if not isinstance(matrix, Tensor) or tuple(matrix.shape) != (num_regions, num_regions):
+        raise TopologyError(f"region_matrix must be a ({num_regions}, {num_regions}) tensor, got "
+                            f"{getattr(matrix, 'shape', type(matrix).__name__)}")
+    matrix = matrix.to(_DTYPE).to_dense() if matrix.is_sparse else matrix.to(_DTYPE)
+    off_diagonal = matrix - torch.diag(matrix.diagonal())
+    if not torch.allclose(matrix, matrix.T, rtol=0, atol=_SYMMETRY_TOL) or bool((off_diagonal < 0).any()):
+        raise TopologyError("region_matrix must be symmetric with non-negative weights off the diagonal")
+    if not torch.allclose(matrix.sum(dim=1), torch.ones(num_regions, dtype=_DTYPE), rtol=0, atol=_SYMMETRY_TOL):
+        raise TopologyError("region_matrix must be doubly stochastic (rows summing to 1)")
+    return matrix
