@@ -84,13 +84,17 @@ def apply_all_or_nothing(parts: Sequence[tuple[StatePart, Any]]) -> None:
 
 
 def _roll_back(touched: list[tuple[StatePart, Any]], cause: BaseException) -> None:
-    for part, own in reversed(touched):
+    failed: list[tuple[str, BaseException]] = []
+    for part, own in reversed(touched):  # every piece is tried, even after one fails (or a second Ctrl-C)
         try:
             part.load(own)
-        except Exception as error:
-            raise StateRollbackError(f"restoring {part.name} after a failed heal ({type(cause).__name__}) "
-                                     f"raised {type(error).__name__}: {error}; this worker's state is "
-                                     "inconsistent") from error
+        except BaseException as error:
+            failed.append((part.name, error))
+    if failed:
+        name, error = failed[0]
+        raise StateRollbackError(f"restoring {', '.join(n for n, _ in failed)} after a failed heal "
+                                 f"({type(cause).__name__}) raised {type(error).__name__}: {error}; this worker's "
+                                 "state is inconsistent") from error
     log.warning("heal rolled back parts=%s cause=%s", ",".join(part.name for part, _ in touched),
                 type(cause).__name__)
 
