@@ -2,10 +2,11 @@
 
 A peer's state (a heal) arrives as bytes. :func:`load_state` loads them with ``torch.load(weights_only=True)``
 onto the CPU, so a payload never runs code: a crafted pickle is refused with :class:`UnsafePayloadError`,
-whoever signed it. Two checks then look at what was built:
+whoever signed it. Before that, the archive is checked as torch's own reader sees it (the records it would read
+fit in the payload side by side), so nothing inflates. Two checks then look at what was built:
 
-- :func:`check_plain`: only dicts, lists and tuples of tensors and plain data (None, bool, int, float, str)
-  anywhere, with plain keys;
+- :func:`check_plain`: only dicts, lists and tuples of dense CPU tensors that own their data (no meta, sparse
+  or quantized tensor) and plain data (None, bool, int, float, str) anywhere, with plain keys;
 - :func:`check_like`: the exact structure of a reference this worker built itself (same keys, list lengths,
   tensor shapes and dtypes, finite floating tensors). The caller decides which subtrees it compares
   (e.g. the model's tensors always; an optimizer that has not stepped yet has no state to compare with).
