@@ -417,7 +417,7 @@ class _Server(ThreadingHTTPServer):
             self.transport._count_aborted(client_address, error)
         else:
             self.transport._log(logging.ERROR, "error", "state transfer server error peer=%s error=%r",
-                                _peer(client_address), error)
+                                _peer(client_address), error, exc_info=error)  # a bug: its traceback, rate-limited
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -606,7 +606,7 @@ class _RateLimitedLog:
         self._lock = threading.Lock()
         self._kinds: dict[str, list[float]] = {}  # kind -> [window start, lines written in it, left out since]
 
-    def __call__(self, level: int, kind: str, message: str, *args: Any) -> None:
+    def __call__(self, level: int, kind: str, message: str, *args: Any, exc_info: BaseException | None = None) -> None:
         with self._lock:
             now = time.monotonic()
             state = self._kinds.setdefault(kind, [now, 0, 0])
@@ -618,7 +618,7 @@ class _RateLimitedLog:
                 return
             state[1] += 1
             left_out, state[2] = int(state[2]), 0
-        log.log(level, message + " left_out_since_last=%d", *args, left_out)
+        log.log(level, message + " left_out_since_last=%d", *args, left_out, exc_info=exc_info)
 
 
 def _staged_refusal(staged: _Staged | None, step: int) -> tuple[int, str] | None:
