@@ -139,12 +139,12 @@ def test_a_captured_request_is_answered_once(make_transport, monkeypatch):
     assert honest.served == 1
 
 
-def test_a_request_for_a_step_not_staged_yet_is_answered_at_once_and_never_with_that_state(make_transport,
-                                                                                          monkeypatch):
+def test_a_request_for_a_step_not_staged_yet_is_not_held_and_never_answered_with_that_state(make_transport,
+                                                                                            monkeypatch):
     honest = make_transport(timeout=5.0)
     honest.send_checkpoint([1], 3, {"live": torch.ones(4)}, None)
     early = capture_a_request(monkeypatch, honest, 4)
-    answer = exchange(honest.port, early)  # held open until the deadline (5 s) before the fix
+    answer = exchange(honest.port, early)  # 503 after 1 s; held until the deadline (5 s, then 409) before the fix
     assert answer.startswith(b"HTTP/1.0 503"), answer[:80]
     honest.send_checkpoint([1], 4, {"live": torch.full((256,), MARK)}, None)
     late = exchange(honest.port, early)  # the same request, once the step is staged

@@ -12,8 +12,8 @@ anyone, and its ``disallow_checkpoint`` waits on a lock that a slow reader holds
   of the body). The server answers only members of the run, only requests addressed to itself (a heal source
   without the secret cannot relay a joiner's request to an honest member), and each nonce once (no replay);
   the client takes a state only from a member;
-- a request for a step not staged yet is answered at once with 503, never held open: the client asks again,
-  with a fresh nonce, until its deadline;
+- a request for a step not staged yet waits at most 1 s for it, then gets 503: the client asks
+  again, with a fresh nonce, until its deadline (a request is never held for the whole deadline);
 - ``send_checkpoint`` serializes the state at once into bytes; ``disallow_checkpoint`` drops them and never
   waits (a response in flight keeps its own reference and ends by itself, within ``timeout``);
 - a received body is loaded only once its signature checks out, and then still only through
@@ -71,7 +71,8 @@ _READ_CHUNK = 1 << 20
 _MAX_CONNECTIONS = 8  # connections served at once; more are closed at once
 _POLL_INTERVAL = 0.05  # seconds: how fast the serving loop notices a shutdown
 _SEEN_NONCES = 4096  # signed requests remembered (only a member can add one: 4096 heals before one is forgotten)
-_RETRY_FIRST, _RETRY_MAX = 0.02, 0.5  # seconds between a client's asks for a step not staged yet (doubling)
+_STAGE_WAIT = 1.0  # seconds a signed request waits for its step to be staged before it gets 503
+_RETRY_FIRST, _RETRY_MAX = 0.02, 0.2  # seconds between a client's asks for a step not staged yet (doubling)
 _LOG_LINES, _LOG_WINDOW = 5, 60.0  # at most this many lines per kind of peer-triggered event per window (s)
 
 
@@ -105,7 +106,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
         refused: requests refused (unsigned, addressed to another server, a nonce seen before, unknown path,
             nothing staged, another step) and connections turned away (more than 8 at once).
         aborted: connections that broke or passed their deadline mid-request.
-        not_staged: requests for a step not staged yet (answered 503 at once; the client asks again).
+        not_staged: requests whose step was not staged within 1 s (answered 503; the client asks again).
     """
 
     def __init__(self, *, bind: str, advertise: str | None = None, secret: bytes, timeout: float,
@@ -172,7 +173,9 @@ class AuthenticatedStateTransport(CheckpointTransport):
         payload = wire.dump_state(state_dict)
         # One attribute, replaced whole: a handler reads it once and keeps that copy, so no lock is shared
         # with disallow_checkpoint (torchft's HTTPTransport shares one, and a slow reader then blocks it).
-        self._staged = _Staged(step, payload, hashlib.sha256(payload).digest())
+        with self._lock:  # wakes the requests that came (at most _STAGE_WAIT) before the state was ready
+            self._staged = _Staged(step, payload, hashlib.sha256(payload).digest())
+            self._lock.notify_all()
         log.info("state staged step=%d bytes=%d dst_ranks=%s", step, len(payload), list(dst_ranks))
 
     def disallow_checkpoint(self) -> None:
@@ -233,7 +236,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
     # ------------------------------------------------------------------ client
     def _fetch_when_staged(self, host: str, port: int, step: int, deadline: float, source: str) -> bytearray:
         """torchft's joiner asks as soon as the quorum forms, while the source may still be serializing its state:
-        the source answers 503 at once (it holds no request open), and this asks again until the deadline."""
+        the source holds a request at most 1 s for it, then answers 503, and this asks again until the deadline."""
         addresses = _resolve(host, port, deadline)  # once: a slow resolver is not paid again on each ask
         pause = _RETRY_FIRST
         while True:
@@ -280,7 +283,8 @@ class AuthenticatedStateTransport(CheckpointTransport):
     def _answer(self, handler: _Handler) -> None:
         try:
             step, nonce, refusal = self._authenticate(handler)
-            staged = self._staged  # read once: disallow_checkpoint may drop it now, this response keeps it
+            # read once: disallow_checkpoint may drop it now, this response keeps it
+            staged = self._staged if refusal is not None else self._wait_for_stage(step, handler.deadline)
             if refusal is None and self._not_staged_yet(staged, step):
                 self._answer_not_staged(handler, step)
                 return
@@ -294,12 +298,20 @@ class AuthenticatedStateTransport(CheckpointTransport):
             handler.close_connection = True
             self._count_aborted(handler.client_address, error)
 
+    def _wait_for_stage(self, step: int, deadline: float) -> _Staged | None:
+        """The joiner usually asks before the source has serialized its state: a signed request waits for it, but
+        at most _STAGE_WAIT (a held request keeps one of the 8 connections; the client asks again after a 503)."""
+        end = min(deadline, time.monotonic() + _STAGE_WAIT)
+        with self._lock:
+            while self._not_staged_yet(self._staged, step) and (left := end - time.monotonic()) > 0:
+                self._lock.wait(min(left, 4 * _POLL_INTERVAL))
+            return self._staged
+
     def _not_staged_yet(self, staged: _Staged | None, step: int) -> bool:
         return not self._closed and step > self._retired_step and (staged is None or staged.step < step)
 
     def _answer_not_staged(self, handler: _Handler, step: int) -> None:
-        # Answered at once, never held until the step is staged: a held request is one a relay or a replay
-        # could have answered later (its nonce is spent either way; the client asks again with a fresh one).
+        # Never held until the deadline: the nonce is spent either way, and the client asks again with a fresh one.
         with self._lock:
             self.not_staged += 1
         log.debug("state request before its step was staged peer=%s step=%d", handler.client_address[0], step)
