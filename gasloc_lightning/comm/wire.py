@@ -75,6 +75,9 @@ def _check_archive(buffer: io.BytesIO, length: int) -> None:
     # checked on zipfile's view says nothing of what torch.load inflates. The archive is read one way only:
     # torch's own reader, the one torch.load builds on these bytes. Every record it would read must lie inside
     # the payload with no two overlapping, so all it reads, stored or deflated, is at most the payload's size.
+    if not hasattr(torch._C.PyTorchFileReader, "get_record_size"):  # refused rather than read another way
+        raise UnsafePayloadError(f"torch {torch.__version__} cannot tell the sizes of an archive's records "
+                                 "(PyTorchFileReader.get_record_size): received states cannot be bounded")
     try:
         reader = torch._C.PyTorchFileReader(buffer)
         records = sorted((reader.get_record_offset(name), reader.get_record_size(name), name)
