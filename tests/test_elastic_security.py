@@ -5,6 +5,8 @@
 - A quorum larger than ``max_workers``: the surplus member leaves with a clear error, the others go on.
 - A heal source that dies while its state is being fetched: nothing partial is applied.
 - Setup and teardown in-process leave no listening socket and no thread behind.
+- A member's state whose load fails (meta tensors, or a load that raises after the point was replaced) is
+  never half applied: the joiner keeps its own point and optimizer.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ pytest.importorskip("torchft")
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+import lightning.pytorch as pl  # noqa: E402
+
 from app_utils import CONF, clean_env  # noqa: E402
+from dist_utils import TinyRegressor  # noqa: E402
 from net_utils import listening_sockets, non_loopback  # noqa: E402
 from gasloc_lightning.app.elastic import free_port, lighthouse_command, worker_config  # noqa: E402
 from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
@@ -41,6 +46,7 @@ from gasloc_lightning.comm.membership import (  # noqa: E402
 from gasloc_lightning.comm.state_transfer import MAC_HEADER, NONCE_HEADER  # noqa: E402
 from gasloc_lightning.comm.wire import sign  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
+from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy, ElasticJoinError  # noqa: E402
 
 SECRET = b"the-run-secret"
 HOST = "127.0.0.1"
@@ -219,7 +225,7 @@ def _hold_a_download_open(address: str, step: int) -> socket.socket:
     """A member that knows the secret asks for the state of ``step`` and then reads nothing (a slow link)."""
     host, port = address.removeprefix("http://").rsplit(":", 1)
     nonce = secrets.token_hex(16)
-    mac = sign(SECRET, b"request", str(step).encode(), nonce.encode())
+    mac = sign(SECRET, b"request", f"{host}:{port}".encode(), str(step).encode(), nonce.encode())
     client = socket.create_connection((host, int(port)), timeout=5)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.sendall(f"GET /state/{step} HTTP/1.0\r\n{NONCE_HEADER}: {nonce}\r\n{MAC_HEADER}: {mac}\r\n\r\n".encode())
@@ -296,3 +302,64 @@ def test_a_joiner_that_would_schedule_collectives_differently_is_refused_naming_
     assert "inner_steps" not in refused[0]["error"]  # only the keys that differ are named
     finished = next(record for record in progress if record["state"] == "done")
     assert finished["step"] == 30
+
+
+POISON = 1234.5
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("flaw", ["meta_optimizer_state", "optimizer_load_raises"])
+def test_a_members_state_that_fails_to_load_is_never_half_applied(lighthouse, monkeypatch, flaw):
+    """A member with the secret serves the joiner's own state with its point replaced, and an optimizer state that
+    passes the shape checks but does not load: meta tensors (a shape, no data; before the fix they passed every
+    check, and ``load_state_dict`` raised NotImplementedError after the point and strategy state were replaced),
+    or a load that raises anyway. The joiner keeps its own point and optimizer: the transport refuses meta tensors
+    (the quorum fails, and the joiner stops with MembershipError), and a load that raises is rolled back
+    (ElasticJoinError)."""
+    monkeypatch.setenv("GASLOC_ELASTIC_SECRET", SECRET.decode())
+    strategy = ElasticGASLoCStrategy(lighthouse=lighthouse, worker_id=0, inner_steps=2, connect_timeout=5,
+                                     quorum_timeout=4, transfer_timeout=3, gossip_timeout=2)
+    model = TinyRegressor()
+    own = [parameter.detach().clone() for parameter in model.parameters()]
+
+    def poisoned_state():  # built from the joiner's own state, as a member that knows the model could
+        state = strategy._peer_state()
+        state["live"] = torch.full_like(state["live"], POISON)
+        optimizer = state["optimizers"][0]
+        first = optimizer["param_groups"][0]["params"][0]
+        shape = next(model.parameters()).shape
+        exp_avg = torch.empty(shape, device="meta") if flaw == "meta_optimizer_state" else torch.zeros(shape)
+        optimizer["state"] = {first: {"step": torch.tensor(1.0), "exp_avg": exp_avg, "exp_avg_sq": torch.zeros(shape)}}
+        optimizer["param_groups"][0]["lr"] = POISON  # plain values may differ: this marks the poisoned state
+        return state
+
+    if flaw == "optimizer_load_raises":
+        load = torch.optim.AdamW.load_state_dict
+
+        def load_or_raise(self, state_dict):
+            load(self, state_dict)
+            if state_dict["param_groups"][0]["lr"] == POISON:
+                raise RuntimeError("this optimizer cannot take that state")
+
+        monkeypatch.setattr(torch.optim.AdamW, "load_state_dict", load_or_raise)
+    rogue = Member(lighthouse, 9, state=poisoned_state, start_step=5)
+    rogue.membership.connect()
+    stop = threading.Event()
+    serving = threading.Thread(target=_serve_rounds, args=(rogue, stop, 5), daemon=True)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                         limit_val_batches=0)
+    try:
+        serving.start()
+        with pytest.raises(Exception) as failure:
+            trainer.fit(model)
+    finally:
+        stop.set()
+        rogue.membership.shutdown()
+        serving.join(timeout=10)
+    for parameter, before in zip(model.parameters(), own):
+        assert torch.equal(parameter.detach(), before), repr(failure.value)  # the point was not replaced (or restored)
+    optimizer = trainer.optimizers[0]
+    assert optimizer.param_groups[0]["lr"] != POISON and not optimizer.state  # nor the optimizer
+    expected = MembershipError if flaw == "meta_optimizer_state" else ElasticJoinError
+    assert isinstance(failure.value, expected), repr(failure.value)  # a refusal, not any error from inside a load

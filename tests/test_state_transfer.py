@@ -90,10 +90,11 @@ def assert_same(got, want, path="state"):
         assert got == want, path
 
 
-def signed_request(step: int, secret: bytes = SECRET, host: str = "127.0.0.1") -> bytes:
+def signed_request(step: int, port: int, secret: bytes = SECRET, host: str = "127.0.0.1") -> bytes:
+    """A member's request for ``step``, signed for the server at ``host:port``."""
     nonce = secrets.token_hex(16)
-    mac = wire.sign(secret, b"request", str(step).encode(), nonce.encode())
-    return (f"GET /state/{step} HTTP/1.0\r\nHost: {host}\r\n{NONCE_HEADER}: {nonce}\r\n"
+    mac = wire.sign(secret, b"request", f"{host}:{port}".encode(), str(step).encode(), nonce.encode())
+    return (f"GET /state/{step} HTTP/1.0\r\nHost: {host}:{port}\r\n{NONCE_HEADER}: {nonce}\r\n"
             f"{MAC_HEADER}: {mac}\r\n\r\n").encode()
 
 
@@ -155,7 +156,7 @@ def test_load_state_refuses_oversized_compressed_and_garbage():
             zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as out:
         for entry in source.infolist():
             out.writestr(entry.filename, source.read(entry))
-    with pytest.raises(UnsafePayloadError, match="compressed"):
+    with pytest.raises(UnsafePayloadError, match="compressed or overlapping"):
         wire.load_state(deflated.getvalue())
 
 
@@ -272,7 +273,7 @@ def test_unauthenticated_requests_get_403_and_no_state(make_transport):
     transport.send_checkpoint([1], 3, {"live": torch.full((256,), MARK)}, None)
     mark_bytes = torch.full((4,), MARK).numpy().tobytes()
     url = f"{transport.metadata()}/state/3"
-    wrong = signed_request(3, secret=b"not the run secret").decode().split("\r\n")[2:4]
+    wrong = signed_request(3, transport.port, secret=b"not the run secret").decode().split("\r\n")[2:4]
     requests = [urllib.request.Request(url),
                 urllib.request.Request(url, headers=dict(line.split(": ", 1) for line in wrong))]
     for request in requests:
@@ -290,7 +291,7 @@ def test_slow_readers_never_block_disallow_or_other_clients(make_transport):
     stuck = socket.socket()
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.connect(("127.0.0.1", transport.port))
-    stuck.sendall(signed_request(3))  # then never reads: the server's write blocks
+    stuck.sendall(signed_request(3, transport.port))  # then never reads: the server's write blocks
     half = socket.create_connection(("127.0.0.1", transport.port))
     half.sendall(b"GET /sta")  # and never finishes its request line, sending a byte now and then
     time.sleep(0.3)

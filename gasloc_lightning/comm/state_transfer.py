@@ -8,15 +8,22 @@ anyone, and its ``disallow_checkpoint`` waits on a lock that a slow reader holds
 
 - it listens on ``bind`` only (an ephemeral port) and advertises ``http://advertise:port``;
 - both directions are signed with the run's secret (HMAC-SHA256, :mod:`~gasloc_lightning.comm.wire`): the
-  request over (step, a fresh nonce), the response over (step, nonce, sha256 of the body). The server
-  answers only members of the run; the client takes a state only from one;
+  request over (the server it is addressed to, step, a fresh nonce), the response over (step, nonce, sha256
+  of the body). The server answers only members of the run, only requests addressed to itself (a heal source
+  without the secret cannot relay a joiner's request to an honest member), and each nonce once (no replay);
+  the client takes a state only from a member;
+- a request for a step not staged yet waits at most 1 s for it, then gets 503: the client asks
+  again, with a fresh nonce, until its deadline (a request is never held for the whole deadline);
 - ``send_checkpoint`` serializes the state at once into bytes; ``disallow_checkpoint`` drops them and never
   waits (a response in flight keeps its own reference and ends by itself, within ``timeout``);
 - a received body is loaded only once its signature checks out, and then still only through
   :func:`~gasloc_lightning.comm.wire.load_state` (``weights_only=True``: a member may be compromised) and
   :func:`~gasloc_lightning.comm.wire.check_plain`; comparing it with the local state's shapes
   (:func:`~gasloc_lightning.comm.wire.check_like`) is the caller's, who knows that state;
-- one deadline bounds a whole transfer on either side (connect, headers, body), not each read.
+- one deadline bounds a whole transfer on either side (name resolution, connect, headers, body), not each read;
+  a host name is resolved once, and its addresses share what is left of the deadline;
+- what a peer can trigger (refusals, aborted connections, server errors) is counted in :attr:`counters` and
+  logged at most a few lines a minute per kind, so no client can fill a disk with log lines.
 
 The body is not encrypted: a peer's state crosses the network in clear, as with torchft's own transport.
 """
@@ -29,13 +36,16 @@ import io
 import ipaddress
 import logging
 import math
+import random
 import re
 import secrets
 import socket
 import socketserver
+import sys
 import threading
 import time
 import urllib.parse
+from collections import OrderedDict
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
@@ -60,10 +70,18 @@ _NONCE = re.compile(r"[0-9a-f]{32,128}", re.ASCII)
 _READ_CHUNK = 1 << 20
 _MAX_CONNECTIONS = 8  # connections served at once; more are closed at once
 _POLL_INTERVAL = 0.05  # seconds: how fast the serving loop notices a shutdown
+_SEEN_NONCES = 4096  # signed requests remembered (only a member can add one: 4096 heals before one is forgotten)
+_STAGE_WAIT = 1.0  # seconds a signed request waits for its step to be staged before it gets 503
+_RETRY_FIRST, _RETRY_MAX = 0.02, 0.2  # seconds between a client's asks for a step not staged yet (doubling)
+_LOG_LINES, _LOG_WINDOW = 5, 60.0  # at most this many lines per kind of peer-triggered event per window (s)
 
 
 class StateTransferError(RuntimeError):
     """A peer's state could not be fetched: unreachable, refused, cut short, or past the deadline."""
+
+
+class _NotStagedYet(Exception):
+    """The source has not staged the step yet (503): ask again with a fresh nonce."""
 
 
 class _Staged(NamedTuple):
@@ -85,7 +103,10 @@ class AuthenticatedStateTransport(CheckpointTransport):
 
     Attributes:
         served: transfers served in full.
-        refused: requests refused (unsigned, unknown path, nothing staged, another step).
+        refused: requests refused (unsigned, addressed to another server, a nonce seen before, unknown path,
+            nothing staged, another step) and connections turned away (more than 8 at once).
+        aborted: connections that broke or passed their deadline mid-request.
+        not_staged: requests whose step was not staged within 1 s (answered 503; the client asks again).
     """
 
     def __init__(self, *, bind: str, advertise: str | None = None, secret: bytes, timeout: float,
@@ -98,7 +119,9 @@ class AuthenticatedStateTransport(CheckpointTransport):
         self._lock = threading.Condition()
         self._in_flight = 0
         self._closed = False
-        self.served = self.refused = 0
+        self._seen: OrderedDict[str, None] = OrderedDict()  # nonces of signed requests, oldest first
+        self.served = self.refused = self.aborted = self.not_staged = 0
+        self._log = _RateLimitedLog(lines=_LOG_LINES, window=_LOG_WINDOW)
         self._server = _Server(bind, self)
         self._thread = threading.Thread(target=self._server.serve_forever, args=(_POLL_INTERVAL,),
                                         name=f"gasloc-state-server-{self.port}", daemon=True)
@@ -124,6 +147,13 @@ class AuthenticatedStateTransport(CheckpointTransport):
         return None if staged is None else staged.step
 
     @property
+    def counters(self) -> dict[str, int]:
+        """What peers made this server do, for metrics: ``served``, ``refused``, ``aborted``, ``not_staged`` and
+        ``log_lines_suppressed`` (peer-triggered log lines over the rate limit, counted instead of written)."""
+        return {"served": self.served, "refused": self.refused, "aborted": self.aborted,
+                "not_staged": self.not_staged, "log_lines_suppressed": self._log.suppressed}
+
+    @property
     def staged_bytes(self) -> int:
         """Bytes of the state being served (0 when none is)."""
         staged = self._staged
@@ -132,7 +162,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
     # ------------------------------------------------------------------ CheckpointTransport
     def metadata(self) -> str:
         """``http://advertise:port``: what a peer's :meth:`recv_checkpoint` is given to fetch from here."""
-        return f"http://{_url_host(self._advertise)}:{self.port}"
+        return f"http://{_target(self._advertise, self.port)}"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         """Serialize ``state_dict`` now and serve it for ``step`` until :meth:`disallow_checkpoint`."""
@@ -143,7 +173,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
         payload = wire.dump_state(state_dict)
         # One attribute, replaced whole: a handler reads it once and keeps that copy, so no lock is shared
         # with disallow_checkpoint (torchft's HTTPTransport shares one, and a slow reader then blocks it).
-        with self._lock:  # wakes the requests that came before the state was ready
+        with self._lock:  # wakes the requests that came (at most _STAGE_WAIT) before the state was ready
             self._staged = _Staged(step, payload, hashlib.sha256(payload).digest())
             self._lock.notify_all()
         log.info("state staged step=%d bytes=%d dst_ranks=%s", step, len(payload), list(dst_ranks))
@@ -167,16 +197,12 @@ class AuthenticatedStateTransport(CheckpointTransport):
         deadline = start + seconds
         source = f"src_rank={src_rank} address={metadata} step={step}"
         host, port = _parse_metadata(metadata)
-        nonce = secrets.token_hex(16)
         try:
-            payload, mac = self._fetch(host, port, step, nonce, deadline, source)
+            payload = self._fetch_when_staged(host, port, step, deadline, source)
         except TimeoutError as error:
             raise StateTransferError(f"state transfer {source} exceeded timeout={seconds:g}s") from error
         except (OSError, http.client.HTTPException) as error:
             raise StateTransferError(f"state transfer {source} failed: {error!r}") from error
-        if not wire.verify(self._secret, mac, b"response", _step_bytes(step), nonce.encode(),
-                           hashlib.sha256(payload).digest()):
-            raise UnsafePayloadError(f"state transfer {source}: response not signed with this run's secret")
         state = _load(payload, self.max_bytes, source)
         log.info("state received %s bytes=%d seconds=%.3f", source, len(payload), time.monotonic() - start)
         return state
@@ -208,10 +234,28 @@ class AuthenticatedStateTransport(CheckpointTransport):
         self.shutdown()
 
     # ------------------------------------------------------------------ client
-    def _fetch(self, host: str, port: int, step: int, nonce: str, deadline: float,
+    def _fetch_when_staged(self, host: str, port: int, step: int, deadline: float, source: str) -> bytearray:
+        """torchft's joiner asks as soon as the quorum forms, while the source may still be serializing its state:
+        the source holds a request at most 1 s for it, then answers 503, and this asks again until the deadline."""
+        addresses = _resolve(host, port, deadline)  # once: a slow resolver is not paid again on each ask
+        pause = _RETRY_FIRST
+        while True:
+            nonce = secrets.token_hex(16)
+            try:
+                payload, mac = self._fetch(host, port, addresses, step, nonce, deadline, source)
+            except _NotStagedYet:
+                time.sleep(min(pause * random.uniform(0.5, 1.0), _left(deadline)))
+                pause = min(2 * pause, _RETRY_MAX)
+                continue
+            if not wire.verify(self._secret, mac, b"response", _step_bytes(step), nonce.encode(),
+                               hashlib.sha256(payload).digest()):
+                raise UnsafePayloadError(f"state transfer {source}: response not signed with this run's secret")
+            return payload
+
+    def _fetch(self, host: str, port: int, addresses: list[Any], step: int, nonce: str, deadline: float,
                source: str) -> tuple[bytearray, str | None]:
-        mac = wire.sign(self._secret, b"request", _step_bytes(step), nonce.encode())
-        with socket.create_connection((host, port), timeout=_left(deadline)) as sock:
+        mac = wire.sign(self._secret, b"request", _target(host, port).encode(), _step_bytes(step), nonce.encode())
+        with _connect(addresses, deadline) as sock:
             sock.settimeout(_left(deadline))
             sock.sendall(_request(host, port, step, nonce, mac))
             response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline))
@@ -224,6 +268,8 @@ class AuthenticatedStateTransport(CheckpointTransport):
             return _read_body(response, length), response.getheader(MAC_HEADER)
 
     def _body_length(self, response: http.client.HTTPResponse, source: str) -> int:
+        if response.status == 503:
+            raise _NotStagedYet()
         if response.status != 200:
             raise StateTransferError(f"state transfer {source} refused: {response.status} {response.reason}")
         if response.chunked or response.length is None:
@@ -239,6 +285,9 @@ class AuthenticatedStateTransport(CheckpointTransport):
             step, nonce, refusal = self._authenticate(handler)
             # read once: disallow_checkpoint may drop it now, this response keeps it
             staged = self._staged if refusal is not None else self._wait_for_stage(step, handler.deadline)
+            if refusal is None and self._not_staged_yet(staged, step):
+                self._answer_not_staged(handler, step)
+                return
             if refusal is None:
                 refusal = _staged_refusal(staged, step)
             if refusal is not None:
@@ -247,18 +296,27 @@ class AuthenticatedStateTransport(CheckpointTransport):
                 self._send(handler, staged, nonce)
         except OSError as error:  # the client left, or the deadline passed: that transfer only
             handler.close_connection = True
-            log.warning("state transfer aborted peer=%s error=%r", handler.client_address[0], error)
+            self._count_aborted(handler.client_address, error)
 
     def _wait_for_stage(self, step: int, deadline: float) -> _Staged | None:
-        """torchft's joiner asks as soon as the quorum forms, while the source may still be serializing its
-        state: an authenticated request for a step not staged yet waits for it, up to the request's deadline."""
+        """The joiner usually asks before the source has serialized its state: a signed request waits for it, but
+        at most _STAGE_WAIT (a held request keeps one of the 8 connections; the client asks again after a 503)."""
+        end = min(deadline, time.monotonic() + _STAGE_WAIT)
         with self._lock:
-            while not self._closed and step > self._retired_step and (self._staged is None or self._staged.step < step):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
+            while self._not_staged_yet(self._staged, step) and (left := end - time.monotonic()) > 0:
                 self._lock.wait(min(left, 4 * _POLL_INTERVAL))
             return self._staged
+
+    def _not_staged_yet(self, staged: _Staged | None, step: int) -> bool:
+        return not self._closed and step > self._retired_step and (staged is None or staged.step < step)
+
+    def _answer_not_staged(self, handler: _Handler, step: int) -> None:
+        # Never held until the deadline: the nonce is spent either way, and the client asks again with a fresh one.
+        with self._lock:
+            self.not_staged += 1
+        log.debug("state request before its step was staged peer=%s step=%d", handler.client_address[0], step)
+        handler.close_connection = True
+        handler.send_error(503, "step not staged yet")
 
     def _authenticate(self, handler: _Handler) -> tuple[int, str, tuple[int, str] | None]:
         match = _STATE_PATH.fullmatch(handler.path)
@@ -266,19 +324,41 @@ class AuthenticatedStateTransport(CheckpointTransport):
         if match is None:
             return -1, nonce, (404, "unknown path")
         step = int(match.group(1))
+        # Signed over this server's own advertised address: a request a joiner addressed to another server (a
+        # heal source without the secret that relays it here) does not verify.
         if not _NONCE.fullmatch(nonce) or not wire.verify(
-                self._secret, handler.headers.get(MAC_HEADER), b"request", _step_bytes(step), nonce.encode()):
-            return step, nonce, (403, "request not signed with this run's secret")
+                self._secret, handler.headers.get(MAC_HEADER), b"request",
+                _target(self._advertise, self.port).encode(), _step_bytes(step), nonce.encode()):
+            return step, nonce, (403, "request not signed with this run's secret for this server")
+        if not self._first_use(nonce):
+            return step, nonce, (403, "nonce seen before (a replayed request)")
         return step, nonce, None
+
+    def _first_use(self, nonce: str) -> bool:
+        """Records a signed request's nonce; False if it was seen before. Only a member (who knows the secret) can
+        add one, so a bounded record cannot be flushed by anyone who could replay: that needs a signed request."""
+        with self._lock:
+            if nonce in self._seen:
+                return False
+            self._seen[nonce] = None
+            if len(self._seen) > _SEEN_NONCES:
+                self._seen.popitem(last=False)
+            return True
 
     def _count_refusal(self) -> None:
         with self._lock:
             self.refused += 1
 
+    def _count_aborted(self, client_address: Any, error: BaseException) -> None:
+        with self._lock:
+            self.aborted += 1
+        self._log(logging.WARNING, "aborted", "state transfer aborted peer=%s error=%r",
+                  _peer(client_address), error)
+
     def _refuse(self, handler: _Handler, code: int, reason: str) -> None:
         self._count_refusal()
-        log.warning("state request refused peer=%s path=%r code=%d reason=%s",
-                    handler.client_address[0], handler.path[:80], code, reason)
+        self._log(logging.WARNING, "refused", "state request refused peer=%s path=%r code=%d reason=%s",
+                  handler.client_address[0], handler.path[:80], code, reason)
         handler.close_connection = True
         handler.send_error(code, reason)
 
@@ -342,7 +422,14 @@ class _Server(ThreadingHTTPServer):
         socketserver.TCPServer.server_bind(self)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("state transfer server error peer=%s", client_address)
+        # Called inside an ``except``: a client that resets mid-request is an aborted transfer, not a server error,
+        # and neither is worth a traceback per connection (one client wrote 460 KB/s of them).
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            self.transport._count_aborted(client_address, error)
+        else:
+            self.transport._log(logging.ERROR, "error", "state transfer server error peer=%s error=%r",
+                                _peer(client_address), error, exc_info=error)  # a bug: its traceback, rate-limited
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -425,6 +512,16 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _target(host: str, port: int) -> str:
+    """``host:port`` as a client parses it from :meth:`AuthenticatedStateTransport.metadata` (urllib lowers the
+    host's case): what a request is signed for, and what a server checks against its own."""
+    return f"{_url_host(host.lower())}:{port}"
+
+
+def _peer(client_address: Any) -> str:
+    return str(client_address[0]) if isinstance(client_address, tuple) and client_address else "?"
+
+
 def _step_bytes(step: int) -> bytes:
     return str(step).encode("ascii")
 
@@ -454,6 +551,47 @@ def _parse_metadata(metadata: str) -> tuple[str, int]:
     return host, port
 
 
+def _resolve(host: str, port: int, deadline: float) -> list[Any]:
+    """``getaddrinfo`` under the deadline: the resolver has no timeout of its own, and the name comes from an
+    unauthenticated manager server. A lookup past the deadline is left to finish on its own daemon thread."""
+    result: dict[str, Any] = {}
+
+    def lookup() -> None:
+        try:
+            result["addresses"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as error:
+            result["error"] = error
+
+    thread = threading.Thread(target=lookup, name=f"gasloc-state-resolve-{host[:40]}", daemon=True)
+    thread.start()
+    thread.join(_left(deadline))
+    if thread.is_alive():
+        raise TimeoutError(f"resolving {host!r} passed the deadline")
+    if "error" in result:
+        raise result["error"]
+    if not result["addresses"]:
+        raise OSError(f"{host!r} resolves to no address")
+    return result["addresses"]
+
+
+def _connect(addresses: list[Any], deadline: float) -> socket.socket:
+    """Connects to the first address that answers, each given an equal share of what is left of the deadline
+    (``socket.create_connection`` gives each the whole timeout: five dead addresses took five timeouts)."""
+    error: OSError | None = None
+    for index, (family, kind, proto, _, address) in enumerate(addresses):
+        share = _left(deadline) / (len(addresses) - index)
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(share)
+            sock.connect(address)
+            return sock
+        except OSError as failed:
+            sock.close()
+            error = failed
+    assert error is not None
+    raise error
+
+
 def _request(host: str, port: int, step: int, nonce: str, mac: str) -> bytes:
     lines = [f"GET /state/{step} HTTP/1.0", f"Host: {_url_host(host)}:{port}", f"{NONCE_HEADER}: {nonce}",
              f"{MAC_HEADER}: {mac}", "", ""]
@@ -469,6 +607,30 @@ def _read_body(response: http.client.HTTPResponse, length: int) -> bytearray:
             raise http.client.IncompleteRead(bytes(0), length - len(body))
         body += chunk
     return body
+
+
+class _RateLimitedLog:
+    """Log lines a peer can trigger: at most ``lines`` per ``window`` seconds for each kind; the rest are counted
+    (:attr:`suppressed`) and the next line written says how many were left out."""
+
+    def __init__(self, *, lines: int, window: float) -> None:
+        self.lines, self.window, self.suppressed = lines, window, 0
+        self._lock = threading.Lock()
+        self._kinds: dict[str, list[float]] = {}  # kind -> [window start, lines written in it, left out since]
+
+    def __call__(self, level: int, kind: str, message: str, *args: Any, exc_info: BaseException | None = None) -> None:
+        with self._lock:
+            now = time.monotonic()
+            state = self._kinds.setdefault(kind, [now, 0, 0])
+            if now - state[0] >= self.window:
+                state[0], state[1] = now, 0
+            if state[1] >= self.lines:
+                state[2] += 1
+                self.suppressed += 1
+                return
+            state[1] += 1
+            left_out, state[2] = int(state[2]), 0
+        log.log(level, message + " left_out_since_last=%d", *args, left_out, exc_info=exc_info)
 
 
 def _staged_refusal(staged: _Staged | None, step: int) -> tuple[int, str] | None:

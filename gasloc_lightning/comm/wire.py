@@ -2,10 +2,11 @@
 
 A peer's state (a heal) arrives as bytes. :func:`load_state` loads them with ``torch.load(weights_only=True)``
 onto the CPU, so a payload never runs code: a crafted pickle is refused with :class:`UnsafePayloadError`,
-whoever signed it. Two checks then look at what was built:
+whoever signed it. Before that, the archive is checked as torch's own reader sees it (the records it would read
+fit in the payload side by side), so nothing inflates. Two checks then look at what was built:
 
-- :func:`check_plain`: only dicts, lists and tuples of tensors and plain data (None, bool, int, float, str)
-  anywhere, with plain keys;
+- :func:`check_plain`: only dicts, lists and tuples of dense CPU tensors that own their data (no meta, sparse
+  or quantized tensor) and plain data (None, bool, int, float, str) anywhere, with plain keys;
 - :func:`check_like`: the exact structure of a reference this worker built itself (same keys, list lengths,
   tensor shapes and dtypes, finite floating tensors). The caller decides which subtrees it compares
   (e.g. the model's tensors always; an optimizer that has not stepped yet has no state to compare with).
@@ -21,7 +22,6 @@ import hmac
 import io
 import os
 import secrets
-import zipfile
 from typing import Any
 
 import torch
@@ -50,34 +50,48 @@ def load_state(payload: bytes, *, max_bytes: int | None = None) -> Any:
         max_bytes: refuse payloads longer than this (None: no limit).
 
     Raises:
-        UnsafePayloadError: too long, not a plain (uncompressed) torch archive, or holding objects that
-            ``weights_only=True`` refuses (a pickle that would run code).
+        UnsafePayloadError: too long, not a torch archive whose records (as torch's own reader sees them) fit
+            in the payload side by side, or holding objects that ``weights_only=True`` refuses (a pickle that
+            would run code).
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise UnsafePayloadError(f"payload must be bytes, got {type(payload).__name__}")
     if max_bytes is not None and len(payload) > max_bytes:
         raise UnsafePayloadError(f"payload of {len(payload)} bytes exceeds max_bytes={max_bytes}")
-    _check_archive(payload)
+    buffer = io.BytesIO(payload)
+    _check_archive(buffer, len(payload))
     try:
-        return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True, map_location="cpu")
     except Exception as error:  # UnpicklingError for a crafted pickle, RuntimeError for a torn archive...
         first = (str(error).splitlines() or [""])[0]
         raise UnsafePayloadError(f"payload refused by torch.load(weights_only=True): "
                                  f"{type(error).__name__}: {first}") from error
 
 
-def _check_archive(payload: bytes) -> None:
-    # torch.save writes stored (uncompressed) zip entries; a deflated entry could inflate far past the
-    # payload's size inside torch.load, so only an archive that cannot grow is handed to it.
+def _check_archive(buffer: io.BytesIO, length: int) -> None:
+    # Python's zipfile and torch's reader (miniz) can read two different central directories from the same bytes
+    # (zipfile finds it from where the end record sits, miniz from the offset the record states), so a bound
+    # checked on zipfile's view says nothing of what torch.load inflates. The archive is read one way only:
+    # torch's own reader, the one torch.load builds on these bytes. Every record it would read must lie inside
+    # the payload with no two overlapping, so all it reads, stored or deflated, is at most the payload's size.
+    if not hasattr(torch._C.PyTorchFileReader, "get_record_size"):  # refused rather than read another way
+        raise UnsafePayloadError(f"torch {torch.__version__} cannot tell the sizes of an archive's records "
+                                 "(PyTorchFileReader.get_record_size): received states cannot be bounded")
     try:
-        with zipfile.ZipFile(io.BytesIO(payload)) as archive:
-            entries = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError) as error:
-        raise UnsafePayloadError(f"payload is not a torch archive: {error}") from error
-    if any(entry.compress_type != zipfile.ZIP_STORED for entry in entries):
-        raise UnsafePayloadError("payload holds compressed entries; torch.save writes none")
-    if sum(entry.file_size for entry in entries) > len(payload):
-        raise UnsafePayloadError("payload's entries claim more bytes than it holds")
+        reader = torch._C.PyTorchFileReader(buffer)
+        records = sorted((reader.get_record_offset(name), reader.get_record_size(name), name)
+                         for name in reader.get_all_records())
+    except Exception as error:  # RuntimeError from miniz for anything that is not a torch zip archive
+        first = (str(error).splitlines() or [""])[0]
+        raise UnsafePayloadError(f"payload is not a torch archive: {type(error).__name__}: {first}") from error
+    end = 0
+    for offset, size, name in records:
+        if offset < end or offset + size > length:
+            raise UnsafePayloadError(
+                f"payload's record {name[:80]!r} claims {size} bytes at offset {offset}, past the payload's "
+                f"{length} bytes or into another record (a compressed or overlapping entry; torch.save writes none)")
+        end = offset + size
 
 
 # ------------------------------------------------------------------ structure checks
@@ -168,6 +182,11 @@ def _check_leaf(path: str, leaf: Any, finite: bool) -> None:
         return
     if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.layout != torch.strided:
         raise UnsafePayloadError(f"{path}: {_describe(leaf)} is neither a dense tensor nor plain data")
+    if leaf.device.type != "cpu" or leaf.is_quantized:
+        # a meta tensor is a shape with no data (2^40 elements cost nothing to send, and pass every value check);
+        # load_state maps to the CPU, so any other device is a tensor that did not come from it
+        raise UnsafePayloadError(f"{path}: tensor on device {leaf.device.type}"
+                                 f"{' (quantized)' if leaf.is_quantized else ''}; only CPU tensors with data are taken")
     if not leaf.is_contiguous() or leaf.storage_offset() or (
             leaf.untyped_storage().nbytes() != leaf.numel() * leaf.element_size()):
         # e.g. a stride-0 "expanded" tensor: a few stored bytes that claim any shape (an optimizer step on it
@@ -179,7 +198,7 @@ def _check_leaf(path: str, leaf: Any, finite: bool) -> None:
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"tensor(layout={value.layout}, type={type(value).__name__})"
+        return f"tensor(layout={value.layout}, device={value.device.type}, type={type(value).__name__})"
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} of length {len(value)}"
     return type(value).__name__

@@ -68,6 +68,7 @@ from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.flat import all_finite
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum, SurplusWorkerError
 from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning, is_split_quorum, quorum_floor, split_warning
+from gasloc_lightning.comm.state_apply import StateApplyError, StatePart, apply_all_or_nothing
 from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
@@ -404,15 +405,25 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     def _take_checked_peer_state(self, state: dict[str, Any]) -> None:
         self._check_peer_state(state)
-        self.layout.scatter(state["live"].to(self.layout.device))
-        self.load_strategy_state_dict(state["strategy"])
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
-        for config, scheduler_state in zip(self.lr_scheduler_configs, state["schedulers"]):
-            config.scheduler.load_state_dict(scheduler_state)
+        try:  # a load that raises anyway (after every check passed) restores every piece: nothing is half applied
+            apply_all_or_nothing(self._healed_parts(state))
+        except StateApplyError as error:
+            raise ElasticJoinError(f"{self.membership.name} refused a peer's state: {error}") from error
         self._source = dict(state["boundary"])
         self._healed_rounds.append(self.round_index)
         log.info("took a peer's state worker=%s round=%d", self.membership.name, self.round_index)
+
+    def _healed_parts(self, state: dict[str, Any]) -> list[tuple[StatePart, Any]]:
+        """What a heal replaces, in order, each with the peer's state for it."""
+        parts = [(StatePart("live", self.layout.read, lambda flat: self.layout.scatter(flat.to(self.layout.device))),
+                  state["live"]),
+                 (StatePart("strategy", self.strategy_state_dict, self.load_strategy_state_dict), state["strategy"])]
+        parts += [(StatePart(f"optimizers.{index}", optimizer.state_dict, optimizer.load_state_dict), received)
+                  for index, (optimizer, received) in enumerate(zip(self.optimizers, state["optimizers"]))]
+        parts += [(StatePart(f"schedulers.{index}", config.scheduler.state_dict, config.scheduler.load_state_dict),
+                   received) for index, (config, received) in enumerate(zip(self.lr_scheduler_configs,
+                                                                            state["schedulers"]))]
+        return parts
 
     def _check_peer_state(self, state: Any) -> None:
         """Nothing of a peer's state replaces this worker's until it is shown to be this run's: only tensors and
