@@ -18,6 +18,7 @@ JSON line per run and the ratio overlap / blocking per seed, and writes ``result
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import signal
 import statistics
@@ -60,8 +61,6 @@ def run_form(form: str, seed: int, *, steps: int, inner_steps: int, scale: float
 
 
 def _last_train_loss(metrics_csv: Path) -> float | None:
-    import csv
-
     with open(metrics_csv) as handle:
         losses = [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]
     return losses[-1] if losses else None

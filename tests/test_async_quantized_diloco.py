@@ -8,7 +8,6 @@ asynchronously: rank 1 gave up waiting). With the mean in flight under rank 0's 
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 from pathlib import Path

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from gasloc_lightning.algorithm.round import EncodedMean
-from gasloc_lightning.comm.transport import GossipTransport
+from gasloc_lightning.comm.encoded_mean import AsyncEncodedMean
+from gasloc_lightning.comm.transport import GossipTimeoutError, GossipTransport
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -152,3 +153,32 @@ def test_a_rank_computes_while_its_posted_mean_waits_for_a_late_peer(fresh_port,
     expected = EncodedMean("int4", NUMEL, 2).mean(vectors(2))
     for _, _, bits in results:
         assert torch.equal(torch.frombuffer(bytearray(bits), dtype=torch.float32), expected)
+
+
+def _abandoned_rank(rank: int, world_size: int, port: int, queue) -> None:
+    """Rank 1 never posts its part: rank 0's wait must end with an error naming the deadline, not hang."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        transport = GossipTransport(NUMEL, torch.device("cpu"), timeout=2.0)
+        transport.open_encoded_means([list(range(world_size))], rank)
+        if rank == 1:
+            queue.put((rank, None))
+            return
+        pending = transport.post_all_reduce_mean_encoded(vectors(world_size)[rank].clone(), "int4")
+        try:
+            transport.wait_all_reduce_mean_encoded(pending)
+            queue.put((rank, "completed"))
+        except GossipTimeoutError as error:
+            queue.put((rank, str(error)))
+    finally:
+        if rank == 0:
+            dist.destroy_process_group()
+
+
+def test_a_posted_mean_whose_peer_never_comes_fails_at_the_deadline(fresh_port, one_torch_thread):
+    results = _fork_ranks(_abandoned_rank, 2, fresh_port())
+    assert "gossip_timeout=2s" in results[0][1], results[0][1]
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds"):
+        AsyncEncodedMean(None, timeout=0, device=torch.device("cpu"))
