@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
@@ -114,6 +115,20 @@ def test_overlap_hides_each_transfer_under_one_step_where_the_schedule_has_room(
     assert resolve_points(6, 3, 1) == FragmentPoints(6, 3, 1)
     with pytest.raises(ValueError, match="overlap=True chooses fragment_sync_delay itself"):
         resolve_points(8, 2, 1, overlap=True)
+
+
+@pytest.mark.parametrize("codec", ["float32", "int4"])
+def test_overlap_without_room_is_not_silent(codec):
+    """H 5, F 4: fragments land one step apart, tau is 0 and nothing can overlap: the strategy says so."""
+    strategy = DiLoCoStrategy(inner_steps=5, fragments=4, overlap=True, message_codec=codec)
+    with pytest.warns(UserWarning, match="overlap=True is not applied: inner_steps=5 and fragments=4"):
+        strategy.check_configuration(1)
+    assert strategy.fragment_points.fragment_sync_delay == 0
+    roomy = DiLoCoStrategy(inner_steps=8, fragments=4, overlap=True, message_codec=codec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        roomy.check_configuration(1)
+    assert roomy.fragment_points.fragment_sync_delay == 1
 
 
 @pytest.mark.parametrize("arguments, match", [

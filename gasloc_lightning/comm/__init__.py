@@ -1,6 +1,7 @@
 """Communication: flat layouts of the exchanged tensors and the point-to-point transport.
 
-Nothing here imports Lightning; only :mod:`~gasloc_lightning.comm.transport` talks to a process group.
+Nothing here imports Lightning; only the transports (:mod:`~gasloc_lightning.comm.transport`, its quantized mean
+:mod:`~gasloc_lightning.comm.encoded_mean`, the elastic one) talk to a process group.
 """
 
 from gasloc_lightning.comm.flat import FlatLayout, all_finite

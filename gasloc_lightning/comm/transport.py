@@ -1,6 +1,8 @@
 """GossipTransport: point-to-point exchange of flat points with this round's peers, and the all-reduce mean.
 
-The only module that talks to a process group. It knows nothing about the outer step."""
+With :mod:`~gasloc_lightning.comm.encoded_mean` (the quantized mean's phases, and its asynchronous form), the
+only module that talks to a process group (elastic: ``comm/elastic_transport.py``). It knows nothing about the
+outer step."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gasloc_lightning.algorithm.round import EncodedMean
+from gasloc_lightning.comm.encoded_mean import AsyncEncodedMean, EncodedAllReduce, PendingEncodedMean, dedicated_group
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +108,9 @@ class GossipTransport:
         self.dtype = dtype
         self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         self._receive_buffers: list[Tensor] = []
-        self._encoded: dict[tuple[int, int], tuple[EncodedMean, dict[str, Tensor]]] = {}  # by (numel, world)
+        self._encoded: dict[tuple[str, int, int], EncodedAllReduce] = {}  # by (codec, numel, world)
         self.counters = TrafficCounters()
+        self._async_encoded: AsyncEncodedMean | None = None
 
     @property
     def rank(self) -> int:
@@ -232,34 +235,55 @@ class GossipTransport:
         return tensor.div_(self.world_size)
 
     def all_reduce_mean_encoded(self, tensor: Tensor, message_codec: str) -> Tensor:
-        """In-place mean over every worker, sent encoded by ``message_codec`` (a quantized all-reduce).
+        """In-place mean over every worker, sent encoded by ``message_codec`` (a quantized all-reduce), blocking.
 
         The chunks of :class:`~gasloc_lightning.algorithm.round.EncodedMean` travel by an all-to-all (each
         worker receives every worker's encoding of the chunk it owns), and the encoded means by an
-        all-gather: 2 (n - 1) / n of the encoded vector per worker, as a ring all-reduce of it.
+        all-gather: 2 (n - 1) / n of the encoded vector per worker, as a ring all-reduce of it. The
+        asynchronous form (the same bits) is :class:`~gasloc_lightning.comm.encoded_mean.AsyncEncodedMean`.
         """
-        n = self.world_size
-        key = (tensor.numel(), n)  # one set of buffers per size: a model's fragments differ in size
+        key = (message_codec, tensor.numel(), self.world_size)  # one set of buffers per size: fragments differ
         if key not in self._encoded:
-            mean = EncodedMean(message_codec, tensor.numel(), n)
-            codec, device = mean.codec, tensor.device
-            self._encoded[key] = (mean, {
-                "padded": torch.zeros(mean.padded, device=device),
-                "send": codec.new_wire(mean.chunk, n, device=device),
-                "received": codec.new_wire(mean.chunk, n, device=device),
-                "gathered": codec.new_wire(mean.chunk, n, device=device),
-                "scratch": torch.empty(mean.chunk, device=device), "total": torch.empty(mean.chunk, device=device),
-            })
-        mean, b = self._encoded[key]
-        mean.encode_chunks(tensor, b["padded"], b["send"])
-        dist.all_to_all_single(b["received"], b["send"], group=self.group)
-        own = b["send"][0]  # free once sent
-        mean.reduce_chunk(b["received"], own, b["scratch"], b["total"])
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        all_gather(b["gathered"].view(-1), own, group=self.group)
-        mean.decode_all(b["gathered"], b["padded"], tensor)
-        volume = 2 * (n - 1) * mean.chunk_wire
-        self.counters.bytes_sent += volume
-        self.counters.bytes_received += volume
+            self._encoded[key] = EncodedAllReduce(message_codec, tensor.numel(), self.world_size, tensor.device)
+        exchange = self._encoded[key]
+        exchange.encode(tensor)
+        exchange.exchange(self.group)
+        exchange.decode(tensor)
+        self.counters.bytes_sent += exchange.volume
+        self.counters.bytes_received += exchange.volume
         self.counters.exchanges += 1
         return tensor
+
+    def open_encoded_means(self, rank_lists: Sequence[Sequence[int]], rank: int) -> None:
+        """Make :meth:`post_all_reduce_mean_encoded` possible: a process group of its own for the quantized means
+        that run under compute (see :mod:`~gasloc_lightning.comm.encoded_mean` for why). A collective of the
+        whole world: ``rank_lists`` holds every group like this transport's (one list per shard), the same on
+        every rank; ``rank`` is this process's global rank."""
+        if self._async_encoded is None:
+            group = dedicated_group(rank_lists, rank, timeout=self.timeout)
+            self._async_encoded = AsyncEncodedMean(group, timeout=self.timeout, device=self.device)
+
+    def post_all_reduce_mean_encoded(self, tensor: Tensor, message_codec: str) -> PendingEncodedMean:
+        """Start the quantized mean of ``tensor`` (the same bits as :meth:`all_reduce_mean_encoded`) and return at
+        once; ``tensor`` is read now and holds the mean after :meth:`wait_all_reduce_mean_encoded`."""
+        if self._async_encoded is None:
+            raise RuntimeError("post_all_reduce_mean_encoded before open_encoded_means")
+        pending = self._async_encoded.post(tensor, message_codec)
+        self.counters.bytes_sent += pending.volume
+        self.counters.bytes_received += pending.volume
+        self.counters.exchanges += 1
+        return pending
+
+    def wait_all_reduce_mean_encoded(self, pending: PendingEncodedMean) -> Tensor:
+        """Wait (at most ``timeout`` seconds, host-side) for a posted quantized mean; returns its tensor."""
+        try:
+            return self._async_encoded.wait(pending)
+        except (RuntimeError, TimeoutError) as error:
+            raise GossipTimeoutError(f"rank {self.rank}: a quantized all-reduce did not complete within "
+                                     f"gossip_timeout={self.timeout:g}s: {error}") from error
+
+    def close(self) -> None:
+        """Let the quantized means' worker thread end (its process group goes with the world's)."""
+        if self._async_encoded is not None:
+            self._async_encoded.close()
+            self._async_encoded = None

@@ -13,7 +13,9 @@ with its own outer optimizer, and fragment f syncs once per round, after step fl
 ``fragment_sync_delay`` steps before its outer step lands, the all-reduce running meanwhile under
 compute; the live fragment then becomes ``lerp(global, live, fragment_update_alpha)``
 (:class:`~gasloc_lightning.algorithm.streaming.StreamingDiLoCoOuter`). ``overlap=True`` takes the
-delay of one step (Streaming DiLoCo's usual setting).
+delay of one step (Streaming DiLoCo's usual setting). With a lossy ``message_codec`` the quantized all-reduce
+overlaps the same way, as torchft's does: posted where the fragment leaves, waited on where it lands
+(:class:`~gasloc_lightning.comm.encoded_mean.AsyncEncodedMean`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
 from gasloc_lightning.algorithm.fragments import FragmentPoints, resolve_points
 from gasloc_lightning.algorithm.round import DiLoCoRound, check_codec, codec_bytes_per_element
 from gasloc_lightning.algorithm.streaming import StreamingDiLoCoOuter
+from gasloc_lightning.comm.encoded_mean import PendingEncodedMean
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 
 
@@ -46,8 +49,8 @@ class DiLoCoStrategy(LocalStepsStrategy):
             (:class:`~gasloc_lightning.algorithm.round.EncodedMean`); every worker gets the same mean.
         fragments: F, fragments synced in turn (Streaming DiLoCo); 1: plain DiLoCo.
         fragment_sync_delay: tau, inner steps between a fragment's pseudo-gradient leaving and its outer step
-            landing (a float32 all-reduce overlaps them; a quantized one blocks when it leaves); at most the gap
-            between two fragments minus one.
+            landing, its all-reduce (float32 or quantized) running under them; at most the gap between two
+            fragments minus one.
         fragment_update_alpha: alpha in [0, 1], the live share when a fragment lands (0: take the global value).
         overlap: ``fragment_sync_delay=1``: each all-reduce runs under one step of compute (leave
             ``fragment_sync_delay`` 0; set it instead for a longer delay).
@@ -129,9 +132,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
         steps = self._schedule.round_length
         self._points = resolve_points(steps, self._fragments, self._fragment_sync_delay, self._overlap)
         if self._overlap and self._points.fragment_sync_delay == 0:
-            rank_zero_warn(f"overlap=True has no room with inner_steps={steps} and fragments={self._fragments}: "
-                           "fragments land one step apart, so each all-reduce waits at once. Use inner_steps >= "
-                           "2 x fragments to overlap communication with compute.")
+            rank_zero_warn(f"overlap=True is not applied: inner_steps={steps} and fragments={self._fragments} leave "
+                           "no step between two fragments (fragment_sync_delay 0), so each all-reduce is waited on "
+                           "where it leaves and nothing overlaps. Use inner_steps >= 2 x fragments to overlap "
+                           "communication with compute.")
 
     @override
     def _init_outer_state(self) -> None:
@@ -143,9 +147,16 @@ class DiLoCoStrategy(LocalStepsStrategy):
             if self._points is None:
                 self.check_configuration(self.world_size)
             bounds = self.layout.fragment_bounds(self._fragments)  # a sharded worker: of its shard
+            if self._message_codec != "float32" and self.world_size > 1:
+                self._transport.open_encoded_means(self._exchange_rank_lists(), self.global_rank)
             self._streaming = StreamingDiLoCoOuter(params, bounds=bounds, outer_lr=self._outer_lr,
                                                    outer_momentum=self._outer_momentum,
                                                    fragment_update_alpha=self._fragment_update_alpha)
+
+    def _exchange_rank_lists(self) -> list[list[int]]:
+        """Every group like the transport's: the world, or (sharded workers) the ranks holding each shard."""
+        shards = self.ranks_per_worker if self.sharded else 1
+        return [list(range(shard, self.world_size, shards)) for shard in range(shards)]
 
     @override
     @torch.no_grad()
@@ -160,7 +171,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
             self._land_fragment(landing)
 
     def _post_fragment(self, fragment: int) -> None:
-        """Fragment f's pseudo-gradient leaves: an all-reduce (float32: overlapped with the next steps)."""
+        """Fragment f's pseudo-gradient leaves: its all-reduce (float32 or quantized) runs under the next steps."""
         params, _ = self.layout.split(self.layout.read())
         delta = self._streaming.prepare(fragment, params)
         share = delta.numel() / params.numel()
@@ -169,20 +180,24 @@ class DiLoCoStrategy(LocalStepsStrategy):
         if self._round_clock is not None:
             size = codec_bytes_per_element(self._message_codec, delta.numel()) if quantized else None
             end = self._round_clock.on_all_reduce_posted(element_size=size, fraction=share)
-            if quantized:  # the encoded all-reduce blocks: nothing hides under compute
-                self._round_clock.wait_until(end)
         if self.world_size > 1:
-            if quantized:
-                self._transport.all_reduce_mean_encoded(delta, self._message_codec)
+            if quantized:  # as torchft's quantized all-reduce: a handle waited on where the fragment lands
+                work = self._transport.post_all_reduce_mean_encoded(delta, self._message_codec)
             else:
                 work = self._transport.post_all_reduce_mean(delta)
         self._in_flight[fragment] = (delta, work, end)
+
+    def _wait_mean(self, work: Any, delta: Tensor) -> None:
+        if isinstance(work, PendingEncodedMean):
+            self._transport.wait_all_reduce_mean_encoded(work)
+        else:
+            self._transport.wait_all_reduce_mean(work, delta)
 
     def _land_fragment(self, fragment: int) -> None:
         """Fragment f's outer step lands: wait for its mean, step, mix into the live fragment."""
         delta, work, end = self._in_flight.pop(fragment)
         if work is not None:
-            self._transport.wait_all_reduce_mean(work, delta)
+            self._wait_mean(work, delta)
         if end is not None:
             self._round_clock.wait_until(end)
         live = self.layout.read()
@@ -225,6 +240,12 @@ class DiLoCoStrategy(LocalStepsStrategy):
             self._land_fragment(fragment)
 
     @override
+    def teardown(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        super().teardown()
+
+    @override
     def _on_replicas_averaged(self) -> None:
         if self._round is not None:
             params, _ = self.layout.split(self.layout.read())
@@ -248,7 +269,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
         """Finish every all-reduce in flight (its mean stays pending until its fragment lands)."""
         for fragment, (delta, work, end) in list(self._in_flight.items()):
             if work is not None:
-                self._transport.wait_all_reduce_mean(work, delta)
+                self._wait_mean(work, delta)
                 self._in_flight[fragment] = (delta, None, end)
 
     @override
