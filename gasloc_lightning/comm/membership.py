@@ -43,6 +43,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gasloc_lightning.comm.endpoints import Endpoint
+from gasloc_lightning.comm.run_end import read_last_quorum
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs ~10 INFO lines per round otherwise
 
@@ -59,6 +60,11 @@ class MembershipError(RuntimeError):
 
 class SurplusWorkerError(MembershipError):
     """This worker was past ``max_workers`` in a quorum and left the run."""
+
+
+class RunEndedError(MembershipError):
+    """The run ended without this worker (the lighthouse's last quorum committed the end-of-fit average; see
+    :mod:`gasloc_lightning.comm.run_end`): it leaves instead of waiting for a quorum that will not form."""
 
 
 def lighthouse_url(address: str) -> str:
@@ -234,6 +240,7 @@ class ElasticMembership:
         self._quorum: Quorum | None = None
         self._healed = False
         self._waiting = False
+        self._may_have_ended = True  # nothing seen of the run yet, or the last round failed: the run may be over
         self.membership_changes = 0
 
     # ------------------------------------------------------------------ life cycle
@@ -332,6 +339,7 @@ class ElasticMembership:
             if quorum.size >= self.min_workers:
                 return replace(quorum, healed=healed)
             if time.monotonic() >= deadline:
+                self._raise_if_run_ended()
                 raise self._too_few_error(f"the last quorum had {quorum.size}")
             self._log_waiting()
             time.sleep(0.2)
@@ -390,17 +398,30 @@ class ElasticMembership:
         ``deadline``, then :class:`MembershipError` says why."""
         while True:
             try:
+                if self._may_have_ended:
+                    self._raise_if_run_ended()
                 self._wait_for_lighthouse(deadline)
                 return self._ask_quorum(max(0.1, deadline - time.monotonic()))
             except _RefusedPeerState as refused:  # this worker refused to join: not a quorum failure
                 raise refused.error from refused.error.__cause__
+            except RunEndedError:
+                raise
             except Exception as error:  # noqa: BLE001 - torchft raises RuntimeError, TimeoutError, ...
                 self._require_manager()._quorum_future = None  # torchft re-raises a failed quorum forever otherwise
                 if time.monotonic() >= deadline:
+                    self._raise_if_run_ended()
                     raise self._quorum_error(error) from error
                 log.warning("quorum request failed worker=%s error=%s (asking again)", self.name,
                             str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
                 time.sleep(0.2)
+
+    def _raise_if_run_ended(self) -> None:
+        """A worker that asks after the others committed their end-of-fit average and left (it was stalled, or started
+        late): :class:`RunEndedError`, read from the lighthouse's last quorum, instead of a quorum that never forms."""
+        last = read_last_quorum(self._url, timeout=min(self.connect_timeout, 5.0))
+        if last is not None and last.ended:
+            raise RunEndedError(f"{self.name}: the run has ended without this worker: the lighthouse's last quorum "
+                                f"({','.join(last.names)}) committed the end-of-fit average")
 
     def _wait_for_lighthouse(self, deadline: float) -> None:
         """A quorum request sent while the lighthouse is down hangs until its timeout in torchft 0.2.0, even once
@@ -457,7 +478,7 @@ class ElasticMembership:
                 self.membership_changes += 1
             log.info("quorum worker=%s quorum_id=%d size=%d members=%s round=%d healed=%s", self.name,
                      quorum.quorum_id, quorum.size, ",".join(quorum.names), quorum.max_step, quorum.healed)
-        self._quorum = quorum
+        self._quorum, self._may_have_ended = quorum, False
         return quorum
 
     def _apply_peer_state(self, state: dict[str, Any]) -> None:
@@ -476,6 +497,7 @@ class ElasticMembership:
         manager = self._require_manager()
         if error is not None:
             manager.report_error(error)
+            self._may_have_ended = True  # e.g. this worker was stalled and its peers are gone
         manager.should_commit()
         manager.load_state_dict({"step": round_index, "batches_committed": manager.batches_committed()})
 
