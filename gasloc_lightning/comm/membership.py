@@ -15,6 +15,8 @@ Failures (torchft 0.2.0 behaviour, see ``docs/elastic.md``):
 - unreachable lighthouse: :class:`MembershipError` within ``connect_timeout``;
 - fewer than ``min_workers`` live workers, or a lighthouse that died: :meth:`start_quorum` logs that it
   waits, then raises :class:`MembershipError` after ``quorum_timeout`` (it tells which case it saw);
+- a worker that asks after the others committed their end-of-fit average and left (it was stalled, or started
+  late): :class:`RunEndedError` at once, read from the lighthouse's last quorum (:mod:`gasloc_lightning.comm.run_end`);
 - a failed exchange is reported with :meth:`commit` *after* the round's collectives: torchft turns the
   collectives of an errored manager into no-ops, which would leave the peers waiting for the timeout.
 

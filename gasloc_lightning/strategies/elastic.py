@@ -516,8 +516,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             self._follow_peer(boundary)
 
     def _meet_lineages(self) -> None:
-        """Right after a quorum forms, on every member alike: if members of several lineages meet in it, they end on
-        one model (comm/lineage.py). Not in the others' end-of-fit decision: that quorum heals to one model."""
+        """Right after every quorum this worker trains or averages in, on every member alike: if members of several
+        lineages meet in it, they end on one model (comm/lineage.py). Not in a quorum at the final step: the
+        end-of-fit average is committed there, and its heal gives every member that model."""
         if is_final(self.quorum.max_step):
             return
         try:
@@ -582,7 +583,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             return
         FinalAverage(self.membership, average_once=self._average_once, restore_own=self._restore_own_replica,
                      take_error=self._transport.take_error, leaving=lambda: self._leave_requested_at is not None,
-                     faults=self._faults).run(self.round_index)
+                     faults=self._faults, quorum_formed=self._meet_lineages).run(self.round_index)
 
     def _average_once(self) -> bool:
         """One all-reduce of the replicas over the quorum, applied on success (the own replica is kept otherwise)."""

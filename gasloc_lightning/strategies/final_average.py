@@ -53,13 +53,16 @@ class FinalAverage:
         take_error: the failure of the last collective, if any (reported with the commit).
         leaving: whether this worker is leaving (SIGTERM): it then takes no further quorum.
         faults: the fault points this worker honours.
+        quorum_formed: called after a deciding quorum that averages again, as after every quorum a worker trains or
+            averages in (the lineage meeting: a worker healed into this quorum does the same).
     """
 
     def __init__(self, membership: ElasticMembership, *, average_once: Callable[[], bool],
                  restore_own: Callable[[], None], take_error: Callable[[], Exception | None],
-                 leaving: Callable[[], bool], faults: FaultPoints) -> None:
+                 leaving: Callable[[], bool], faults: FaultPoints, quorum_formed: Callable[[], None]) -> None:
         self._membership, self._average_once, self._restore_own = membership, average_once, restore_own
         self._take_error, self._leaving, self._faults = take_error, leaving, faults
+        self._quorum_formed = quorum_formed
 
     def run(self, rounds: int) -> bool:
         """Average until the survivors agree; ``rounds``: the rounds done. Returns whether this worker holds the
@@ -90,6 +93,7 @@ class FinalAverage:
                 return False
             log.warning("end-of-fit average failed on every member worker=%s: averaging again over %s",
                         membership.name, ",".join(quorum.names))
+            self._quorum_formed()
 
     def _prepare(self) -> tuple[bool, Exception | None]:
         """Phase 1: whether this worker holds the average, and the failure to report with the commit."""
