@@ -30,7 +30,7 @@ from gasloc_lightning.comm.membership import (  # noqa: E402
     RunEndedError,
     lighthouse_reachable,
 )
-from gasloc_lightning.comm.run_end import FINAL_STEP, final_step, parse_status_page  # noqa: E402
+from gasloc_lightning.comm.run_end import FINAL_STEP, final_step, parse_status_page, run_tag  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -88,15 +88,16 @@ def test_fault_points_are_named_checked_and_aimed_at_one_worker():
 def test_the_lighthouse_status_page_says_whether_the_run_ended():
     member = ('<div class="member">\n  <b>{id}</b> <br/>\n  Step: {step} <br/>\n  Manager: a <br/>\n</div>')
     page = ("Current quorum_id: 3 <br>\n<h3>Previous Quorum</h3>\nPrevious quorum id: 3 <br>\n"
-            + member.format(id="worker_0000:ab", step=final_step(30)) + member.format(id="worker_0001:cd", step=30)
+            + member.format(id="worker_0000:ab", step=final_step(30, 7)) + member.format(id="worker_0001:cd", step=30)
             + "\n<h2>Heartbeats</h2>\n<li>worker_0002:ef: seen 0.1s ago</li>")
     last = parse_status_page(page)
-    assert last is not None and last.ended and last.names == ["worker_0000", "worker_0001"]
+    assert last is not None and last.ended(7) and last.names == ["worker_0000", "worker_0001"]
+    assert not last.ended(8)  # another run's end on the same lighthouse
     assert last.steps["worker_0001:cd"] == 30
-    assert not parse_status_page(page.replace(str(final_step(30)), "31")).ended
+    assert not parse_status_page(page.replace(str(final_step(30, 7)), "31")).ended(7)
     assert parse_status_page("<h3>Previous Quorum</h3>\n<h2>Heartbeats</h2>") is None  # no quorum yet
     assert parse_status_page("something else entirely") is None
-    assert final_step(0) == FINAL_STEP > 10**12
+    assert final_step(0, 0) == FINAL_STEP > 10**12 and run_tag(b"a") != run_tag(b"b")
 
 
 def test_lineages_name_the_quorum_that_committed_and_travel_as_plain_state():
@@ -171,11 +172,11 @@ def test_a_worker_that_wakes_or_starts_after_the_end_learns_it_ended_instead_of_
             member.commit(1)
 
         def finish(member: ElasticMembership) -> Quorum:
-            member.commit(final_step(1))
+            member.commit(final_step(1, member.run_tag))
             return member.start_quorum()
 
         decided = _in_threads(finish, members[:2])
-        assert all(q.size == 2 and q.max_step == final_step(1) for q in decided), decided
+        assert all(q.size == 2 and q.max_step == final_step(1, run_tag(SECRET)) for q in decided), decided
         for member in members[:2]:
             member.shutdown()
         start = time.monotonic()

@@ -45,7 +45,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gasloc_lightning.comm.endpoints import Endpoint
-from gasloc_lightning.comm.run_end import read_last_quorum
+from gasloc_lightning.comm.run_end import read_last_quorum, run_tag
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs ~10 INFO lines per round otherwise
 
@@ -421,7 +421,7 @@ class ElasticMembership:
         """A worker that asks after the others committed their end-of-fit average and left (it was stalled, or started
         late): :class:`RunEndedError`, read from the lighthouse's last quorum, instead of a quorum that never forms."""
         last = read_last_quorum(self._url, timeout=min(self.connect_timeout, 5.0))
-        if last is not None and last.ended:
+        if last is not None and last.ended(self.run_tag):
             raise RunEndedError(f"{self.name}: the run has ended without this worker: the lighthouse's last quorum "
                                 f"({','.join(last.names)}) committed the end-of-fit average")
 
@@ -523,6 +523,11 @@ class ElasticMembership:
     @property
     def lighthouse(self) -> str:
         return self._url
+
+    @property
+    def run_tag(self) -> int:
+        """Tells this run's end-of-fit commit from another run's on the same lighthouse (from the run's secret)."""
+        return run_tag(self._secret)
 
     @property
     def state_transfer_address(self) -> str | None:

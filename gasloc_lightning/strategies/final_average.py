@@ -69,7 +69,7 @@ class FinalAverage:
         committed average (``False``: it keeps its own replica; the reason is logged)."""
         membership = self._membership
         deadline = time.monotonic() + membership.quorum_timeout
-        committed_step = final_step(rounds)
+        committed_step = final_step(rounds, membership.run_tag)
         while True:
             prepared, error = self._prepare()
             membership.commit(committed_step if prepared else rounds, error)
