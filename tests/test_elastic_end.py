@@ -116,6 +116,28 @@ def test_lineages_name_the_quorum_that_committed_and_travel_as_plain_state():
         other.load_state_dict([7, -1])
 
 
+def test_a_heal_that_replaces_a_diverged_side_counts_as_a_merge_and_a_laggard_does_not(caplog):
+    """The further side heals the side behind (torchft's rule); the healed worker tells a split from a mere lag by
+    the healer's history: the healer committed the worker's last round under another token only after a split."""
+    side_a = _fake_quorum(4, ("worker_0000:u1", "worker_0001:u2"))
+    side_b = _fake_quorum(5, ("worker_0002:u3",))
+    healer = LineageTracker()
+    for round_index in range(1, 10):
+        healer.committed(round_index, side_a)
+    laggard, split, fresh = LineageTracker(), LineageTracker(), LineageTracker()
+    laggard.committed(7, side_a)
+    split.committed(7, side_b)
+    results = {}
+    for name, tracker in (("laggard", laggard), ("split", split), ("fresh", fresh)):
+        before = tracker.lineage
+        tracker.load_state_dict(healer.state_dict())  # the heal hands over the healer's lineage
+        results[name] = tracker.healed(before, name)
+        assert tracker.lineage == healer.lineage
+    assert results == {"laggard": False, "split": True, "fresh": False}
+    assert [laggard.merges, split.merges, fresh.merges] == [0, 1, 0]
+    assert "lineage replaced worker=split" in caplog.text and "the further side wins" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- with a lighthouse
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("lighthouse", [4], indirect=True)

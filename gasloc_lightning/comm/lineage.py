@@ -10,8 +10,11 @@ is part of the strategy's state, so a checkpoint resumes it too).
 When a quorum forms whose members come from several lineages, they end on one model, by a fixed rule:
 
 1. members behind (fewer committed rounds) are healed by torchft from a member at the quorum's ``max_step``
-   before anything else happens: **the further lineage wins** (this is torchft's own rule; a heal is logged
-   and counted in ``healed_rounds``);
+   before anything else happens: **the further lineage wins** (this is torchft's own rule). A worker tells a
+   diverged side from a mere laggard by the healer's recent history (the last ``HISTORY`` rounds and their
+   tokens travel with the state): if the healer committed this worker's last round under another token, the
+   two had split, and the replacement is logged at WARNING and counted as a merge
+   (:meth:`LineageTracker.healed`);
 2. members at the same round but with different tokens (two sides that trained apart equally long): **the
    sides are averaged**, an all-reduce mean of the exchanged tensors over the whole quorum, so each side weighs
    as many members as it has (:meth:`LineageTracker.reconcile`). Every member then carries the merged lineage
@@ -39,6 +42,8 @@ from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, Elas
 from gasloc_lightning.comm.membership import Quorum
 
 log = logging.getLogger(__name__)
+
+HISTORY = 32  # rounds of (round, token) a worker remembers, and hands over with its state
 
 
 class LineageExchangeError(RuntimeError):
@@ -112,10 +117,24 @@ class LineageTracker:
         self.lineage = Lineage(0, 0)
         self.merges = 0  # meetings of diverged lineages this worker took part in (each ended on one model)
         self._met_quorum: int | None = None  # the quorum id of this worker's last meeting
+        self._history: list[Lineage] = [Lineage(0, 0)] * HISTORY  # the last rounds committed, oldest first
 
     def committed(self, round_index: int, quorum: Quorum) -> None:
         """Round ``round_index`` was committed in ``quorum``."""
         self.lineage = Lineage(round_index, quorum_token(quorum))
+        self._history = [*self._history[1:], self.lineage]
+
+    def healed(self, before: Lineage, worker: str) -> bool:
+        """After taking a peer's state (and lineage): whether this worker's own lineage ``before`` had split from the
+        peer's (the peer committed the same round under another token). Such a heal is a merge: logged, counted."""
+        theirs = {lineage.round: lineage.token for lineage in self._history if lineage.round > 0}
+        if before.round == 0 or theirs.get(before.round, before.token) == before.token:
+            return False  # a fresh worker, a laggard of the same lineage, or too far behind to tell
+        self.merges += 1
+        log.warning("lineage replaced worker=%s: its side (%s) had split from the healing peer's (%s at that "
+                    "round, now %s); the further side wins", worker, before, Lineage(before.round,
+                                                                                   theirs[before.round]), self.lineage)
+        return True
 
     def needs_meeting(self, quorum: Quorum) -> bool:
         """Whether ``quorum`` may hold several lineages: usable, of 2 or more, and not the quorum last met in."""
@@ -148,19 +167,24 @@ class LineageTracker:
             return meeting
         rounds = {lineage.round for lineage in lineages}
         self.lineage = Lineage(max(rounds), quorum_token(quorum))
+        self._history = [*self._history[1:], self.lineage]  # the merged token names that round from now on
         self.merges += 1
         log.warning("lineages merged worker=%s quorum_id=%d into %s (%d sides averaged)", transport.membership.name,
                     quorum.quorum_id, self.lineage, len(meeting.groups))
         return LineageMeeting(quorum, lineages, merged=True)
 
-    def state_dict(self) -> list[int]:
-        return [self.lineage.round, self.lineage.token]
+    def state_dict(self) -> list[list[int]]:
+        """The last ``HISTORY`` committed rounds as ``[round, token]`` pairs, oldest first (a fixed length, so a
+        peer's state has the same structure as this worker's)."""
+        return [[lineage.round, lineage.token] for lineage in self._history]
 
     def load_state_dict(self, state: Any) -> None:
         """A checkpoint's or a peer's lineage (a checkpoint written before lineages existed has none: kept as is)."""
         if state is None:
             return
-        if (not isinstance(state, list) or len(state) != 2
-                or not all(type(value) is int and value >= 0 for value in state)):
-            raise ValueError(f"lineage must be [round, token] (ints >= 0), got {state!r}")
-        self.lineage = Lineage(*state)
+        if (not isinstance(state, list) or len(state) != HISTORY or not all(
+                isinstance(pair, list) and len(pair) == 2 and all(type(v) is int and v >= 0 for v in pair)
+                for pair in state)):
+            raise ValueError(f"lineage must be {HISTORY} [round, token] pairs (ints >= 0), got {state!r}")
+        self._history = [Lineage(*pair) for pair in state]
+        self.lineage = self._history[-1]

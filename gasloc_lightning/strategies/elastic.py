@@ -418,7 +418,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def _take_checked_peer_state(self, state: dict[str, Any]) -> None:
         self._check_peer_state(state)
         self.layout.scatter(state["live"].to(self.layout.device))
+        before = self._lineage.lineage
         self.load_strategy_state_dict(state["strategy"])
+        self._lineage.healed(before, self.membership.name)
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         for config, scheduler_state in zip(self.lr_scheduler_configs, state["schedulers"]):
