@@ -253,3 +253,28 @@ def test_a_member_dying_inside_the_end_of_fit_average_leaves_the_survivors_on_on
     assert rows[0]["val_loss"] == rows[1]["val_loss"]
     log = (Path(tmp_path) / "worker_1" / "worker.log").read_text()
     assert "end-of-fit average committed" in log and "took it from a peer" in log
+
+
+def test_a_worker_that_finds_the_run_ended_exits_0_and_the_launcher_reports_it_stopped(tmp_path, monkeypatch):
+    """The app's side of a worker that wakes after the end: progress state ``ended``, exit 0, and ``gasloc-elastic``
+    reports ``stopped`` (no final model), never ``failed``."""
+    from omegaconf import OmegaConf
+
+    from gasloc_lightning.app import elastic_worker
+    from gasloc_lightning.app.elastic import WorkerRecord, worker_status
+
+    class EndedTrainer:
+        callbacks: list = []
+
+        def fit(self, *args, **kwargs):
+            raise RunEndedError("worker_0002: the run has ended without this worker")
+
+    monkeypatch.setattr(elastic_worker, "build", lambda cfg: (EndedTrainer(), None, None))
+    config = tmp_path / "worker_config.yaml"
+    OmegaConf.save(OmegaConf.create({"output_dir": str(tmp_path / "worker_2")}), config)
+    assert elastic_worker.run_worker(config) == 0
+    progress = read_progress(tmp_path / "worker_2")
+    assert progress["state"] == "ended" and "ended without this worker" in progress["error"]
+    record = WorkerRecord(worker=2, output_dir=tmp_path / "worker_2", config_path=config, process=object(),
+                          exit_code=0, final=progress)
+    assert worker_status(record, val_loss=None) == "stopped"
