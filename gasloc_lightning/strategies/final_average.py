@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 
 from gasloc_lightning.comm.faults import FaultPoints, InjectedFault
-from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, RunEndedError
-from gasloc_lightning.comm.run_end import final_step
+from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum, RunEndedError
+from gasloc_lightning.comm.run_end import final_step, is_final
 
 log = logging.getLogger(__name__)
 
@@ -76,24 +76,40 @@ class FinalAverage:
             self._faults.hit("final_average.after_commit")
             if self._leaving():
                 return prepared
-            try:
-                quorum = membership.start_quorum()  # the decision (a member behind is healed inside)
-            except RunEndedError:
-                raise  # committed without this worker: it cannot take that average any more
-            except MembershipError as error:
-                log.warning("no quorum to decide the end-of-fit average worker=%s prepared=%s: %s",
-                            membership.name, prepared, error)
-                return prepared
-            if quorum.max_step >= committed_step:
-                log.info("end-of-fit average committed worker=%s quorum=%s%s", membership.name, ",".join(quorum.names),
-                         "" if prepared else " (took it from a peer)")
-                return True
+            quorum = self._decide(prepared, rounds, deadline)
+            if quorum is None or is_final(quorum.max_step):
+                return prepared or (quorum is not None and quorum.healed)
             if time.monotonic() >= deadline:
                 log.warning("end-of-fit average failed worker=%s: this worker keeps its own replica", membership.name)
                 return False
             log.warning("end-of-fit average failed on every member worker=%s: averaging again over %s",
                         membership.name, ",".join(quorum.names))
             self._quorum_formed()
+
+    def _decide(self, prepared: bool, rounds: int, deadline: float) -> Quorum | None:
+        """Phase 2: the lighthouse's next quorum (``None``: none formed). A member behind is healed inside it; one
+        whose heal failed asks again while the deadline allows: it gets the average if a member that holds it is
+        still there, else it learns that the run ended without it (:class:`RunEndedError`)."""
+        membership = self._membership
+        while True:
+            try:
+                quorum = membership.start_quorum()
+            except RunEndedError:
+                raise  # committed without this worker: it cannot take that average any more
+            except MembershipError as error:
+                log.warning("no quorum to decide the end-of-fit average worker=%s prepared=%s: %s",
+                            membership.name, prepared, error)
+                return None
+            if not is_final(quorum.max_step) or prepared or quorum.healed:
+                if is_final(quorum.max_step):
+                    log.info("end-of-fit average committed worker=%s quorum=%s%s", membership.name,
+                             ",".join(quorum.names), "" if prepared else " (took it from a peer)")
+                return quorum
+            log.warning("end-of-fit average committed but not received worker=%s: %s (asking again)",
+                        membership.name, quorum.error)
+            if time.monotonic() >= deadline:
+                return None
+            membership.commit(rounds, quorum.error)
 
     def _prepare(self) -> tuple[bool, Exception | None]:
         """Phase 1: whether this worker holds the average, and the failure to report with the commit."""
