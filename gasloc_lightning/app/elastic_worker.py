@@ -10,8 +10,10 @@ Besides the usual ``summary.json`` and ``metrics.csv``, the worker keeps ``progr
 folder (rewritten atomically at every step): what the launcher watches to run a chaos schedule and to
 print the quorum size. Its final ``state`` is ``done`` (trained to the end), ``left`` (SIGTERM: it left
 the run; after a clean leave its own replica is checkpointed in ``checkpoints/left``, which
-``ckpt_path`` resumes), ``refused`` (surplus past ``max_workers``) or ``failed``. A worker that trained to the end
-saves its model in ``checkpoints/final`` (weights only; ``gasloc-export`` reads it).
+``ckpt_path`` resumes), ``ended`` (it woke or started after the others had committed the end-of-fit
+average and left: exit 0 without a final model, which ``gasloc-elastic`` reports as ``stopped``),
+``refused`` (surplus past ``max_workers``) or ``failed``. A worker that trained to the end saves its model in
+``checkpoints/final`` (weights only; ``gasloc-export`` reads it).
 
 The run's secret comes from the environment (``GASLOC_ELASTIC_SECRET``), never from the config file.
 """
@@ -36,7 +38,7 @@ from typing_extensions import override
 
 from gasloc_lightning.app.train import build
 from gasloc_lightning.data import ByteDataModule
-from gasloc_lightning.comm.membership import SurplusWorkerError
+from gasloc_lightning.comm.membership import RunEndedError, SurplusWorkerError
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy, ElasticLeave
 from gasloc_lightning.strategies.launcher import exit_with_parent
 
@@ -95,6 +97,7 @@ class ElasticProgress(Callback):
             "quorum_size": strategy.quorum_size if elastic else None,
             "members": strategy.quorum.names if elastic and strategy.quorum_size else [],
             "membership_changes": strategy.membership_changes if elastic else 0,
+            "lineage_merges": strategy.lineage_merges if elastic else 0,
             "failed_exchanges": strategy.failed_exchanges if elastic else 0,
             "failed_collectives": strategy.failed_collectives if elastic else 0,
             "healed_rounds": strategy.healed_rounds if elastic else [],
@@ -162,6 +165,9 @@ def run_worker(config_path: str | os.PathLike, overrides: list[str] | tuple[str,
     except ElasticLeave as leave:
         log.warning("left without finishing the round: %s", leave)
         return _ended(output_dir, progress, "left", 0, error=str(leave))
+    except RunEndedError as error:
+        log.warning("%s: leaving", error)
+        return _ended(output_dir, progress, "ended", 0, error=str(error))
     except SurplusWorkerError as error:
         log.error("%s", error)
         return _ended(output_dir, progress, "refused", 3, error=str(error))

@@ -19,6 +19,8 @@ Failures (torchft 0.2.0 behaviour, see ``docs/elastic.md``):
   address and goes on (:mod:`~gasloc_lightning.comm.lighthouse_watch`); no request to it waits longer than
   ``lighthouse_timeout``, and a lighthouse down for longer than ``lighthouse_wait`` fails the worker with a
   :class:`MembershipError` that says so;
+- a worker that asks after the others committed their end-of-fit average and left (it was stalled, or started
+  late): :class:`RunEndedError` at once, read from the lighthouse's last quorum (:mod:`gasloc_lightning.comm.run_end`);
 - a failed exchange is reported with :meth:`commit` *after* the round's collectives: torchft turns the
   collectives of an errored manager into no-ops, which would leave the peers waiting for the timeout.
 
@@ -53,6 +55,7 @@ from gasloc_lightning.comm.lighthouse_watch import (
     quorum_retries,
     reachable,
 )
+from gasloc_lightning.comm.run_end import read_last_quorum, run_tag
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs ~10 INFO lines per round otherwise
 
@@ -69,6 +72,11 @@ class MembershipError(RuntimeError):
 
 class SurplusWorkerError(MembershipError):
     """This worker was past ``max_workers`` in a quorum and left the run."""
+
+
+class RunEndedError(MembershipError):
+    """The run ended without this worker (the lighthouse's last quorum committed the end-of-fit average; see
+    :mod:`gasloc_lightning.comm.run_end`): it leaves instead of waiting for a quorum that will not form."""
 
 
 def lighthouse_url(address: str) -> str:
@@ -261,6 +269,7 @@ class ElasticMembership:
         self._quorum: Quorum | None = None
         self._healed = False
         self._waiting = False
+        self._may_have_ended = True  # nothing seen of the run yet, or the last round failed: the run may be over
         self.membership_changes = 0
 
     # ------------------------------------------------------------------ life cycle
@@ -362,6 +371,7 @@ class ElasticMembership:
             if quorum.size >= self.min_workers:
                 return replace(quorum, healed=healed)
             if time.monotonic() >= deadline:
+                self._raise_if_run_ended()
                 raise self._too_few_error(f"the last quorum had {quorum.size}")
             self._log_waiting()
             time.sleep(0.2)
@@ -419,20 +429,33 @@ class ElasticMembership:
         """One quorum from the lighthouse; a failed request (a timeout or any other error) is asked again until
         ``deadline``, then :class:`MembershipError` says why. No request waits longer than ``lighthouse_timeout``."""
         while True:
-            self._wait_for_lighthouse(deadline)
             try:
+                if self._may_have_ended:
+                    self._raise_if_run_ended()
+                self._wait_for_lighthouse(deadline)
                 return self._ask_quorum(max(0.1, min(deadline - time.monotonic(), self.lighthouse_timeout)))
             except _RefusedPeerState as refused:  # this worker refused to join: not a quorum failure
                 raise refused.error from refused.error.__cause__
+            except RunEndedError:
+                raise
             except Exception as error:  # noqa: BLE001 - torchft raises RuntimeError, TimeoutError, ...
                 self._require_manager()._quorum_future = None  # torchft re-raises a failed quorum forever otherwise
                 if self._watch.gone:
                     raise MembershipError(self._watch.gone_message()) from error
                 if time.monotonic() >= deadline:
+                    self._raise_if_run_ended()
                     raise self._quorum_error(error) from error
                 log.warning("quorum request failed worker=%s error=%s (asking again)", self.name,
                             str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
                 time.sleep(0.2)
+
+    def _raise_if_run_ended(self) -> None:
+        """A worker that asks after the others committed their end-of-fit average and left (it was stalled, or started
+        late): :class:`RunEndedError`, read from the lighthouse's last quorum, instead of a quorum that never forms."""
+        last = read_last_quorum(self._url, timeout=min(self.connect_timeout, 5.0))
+        if last is not None and last.ended(self.run_tag):
+            raise RunEndedError(f"{self.name}: the run has ended without this worker: the lighthouse's last quorum "
+                                f"({','.join(last.names)}) committed the end-of-fit average")
 
     def _wait_for_lighthouse(self, deadline: float) -> None:
         """Ask only when the lighthouse answers (it may restart on the same address): a request sent while it is
@@ -491,7 +514,7 @@ class ElasticMembership:
                 self.membership_changes += 1
             log.info("quorum worker=%s quorum_id=%d size=%d members=%s round=%d healed=%s", self.name,
                      quorum.quorum_id, quorum.size, ",".join(quorum.names), quorum.max_step, quorum.healed)
-        self._quorum = quorum
+        self._quorum, self._may_have_ended = quorum, False
         return quorum
 
     def _apply_peer_state(self, state: dict[str, Any]) -> None:
@@ -510,6 +533,7 @@ class ElasticMembership:
         manager = self._require_manager()
         if error is not None:
             manager.report_error(error)
+            self._may_have_ended = True  # e.g. this worker was stalled and its peers are gone
         manager.should_commit()
         manager.load_state_dict({"step": round_index, "batches_committed": manager.batches_committed()})
 
@@ -533,6 +557,11 @@ class ElasticMembership:
     @property
     def lighthouse(self) -> str:
         return self._url
+
+    @property
+    def run_tag(self) -> int:
+        """Tells this run's end-of-fit commit from another run's on the same lighthouse (from the run's secret)."""
+        return run_tag(self._secret)
 
     @property
     def state_transfer_address(self) -> str | None:

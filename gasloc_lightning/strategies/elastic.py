@@ -65,12 +65,16 @@ from typing_extensions import override
 from gasloc_lightning.algorithm.round import GossipRound, check_codec
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.endpoints import Endpoint
+from gasloc_lightning.comm.faults import FaultPoints
 from gasloc_lightning.comm.flat import all_finite
+from gasloc_lightning.comm.lineage import Lineage, LineageExchangeError, LineageTracker
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum, SurplusWorkerError
 from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning, is_split_quorum, quorum_floor, split_warning
+from gasloc_lightning.comm.run_end import is_final
 from gasloc_lightning.comm.state_apply import StateApplyError, StatePart, apply_all_or_nothing
 from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
+from gasloc_lightning.strategies.final_average import FAULT_POINTS, FinalAverage
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 
@@ -200,6 +204,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         ElasticMembership(**self._membership_args, state_dict=dict, load_state_dict=print)  # validates the args
         self._membership: ElasticMembership | None = None
         self._healed_rounds: list[int] = []
+        self._lineage = LineageTracker()  # which model history this worker carries (comm/lineage.py)
+        self._faults: FaultPoints | None = None
+        self._own_replica: Tensor | None = None  # before the last end-of-fit all-reduce
         self._leave_requested_at: float | None = None  # when SIGTERM arrived
         self._taking_peer_state = False  # a peer's state is being checked and applied
         self._left = False  # this worker left the run (its replica is its own from then on)
@@ -247,6 +254,16 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def healed_rounds(self) -> list[int]:
         """Rounds at which this worker took a peer's state."""
         return list(self._healed_rounds)
+
+    @property
+    def lineage(self) -> Lineage:
+        """This worker's model history: last committed round and the token of the quorum that committed it."""
+        return self._lineage.lineage
+
+    @property
+    def lineage_merges(self) -> int:
+        """Meetings of diverged lineages this worker took part in (each averaged the sides into one model)."""
+        return self._lineage.merges
 
     @property
     def min_workers(self) -> int:
@@ -315,13 +332,16 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             max_state_bytes=_max_state_bytes(self.layout.numel),
         )
         self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
+        self._faults = FaultPoints.from_env(worker=self._membership.name, known=FAULT_POINTS)
         self._listen_for_sigterm()
         if self._leave_requested_at is not None:
             raise ElasticLeave("SIGTERM before joining")
         log.info("joining lighthouse=%s worker_id=%d round=%d bind=%s", self._membership.lighthouse,
                  self._membership.worker_id, self.round_index, self._membership.endpoint.bind)
         self._membership.connect()
-        if self._membership.join().healed:
+        healed = self._membership.join().healed
+        self._meet_lineages()
+        if healed:
             self._follow_peer(_START)
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:
@@ -376,6 +396,16 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
                                                        callback.local_loss_name],
         }
 
+    @override
+    def strategy_state_dict(self) -> dict[str, Any]:
+        """The engine's state and this worker's lineage (a heal hands it over, a checkpoint resumes it)."""
+        return {**super().strategy_state_dict(), "lineage": self._lineage.state_dict()}
+
+    @override
+    def load_strategy_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_strategy_state_dict(state)
+        self._lineage.load_state_dict(state.get("lineage"))
+
     def _peer_state(self) -> dict[str, Any]:
         """This worker's state for a joiner. Called from torchft's quorum thread while this worker's main thread
         waits in ``start_quorum`` (so nothing moves); copies, since the transport serves them later."""
@@ -405,10 +435,12 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     def _take_checked_peer_state(self, state: dict[str, Any]) -> None:
         self._check_peer_state(state)
+        before = self._lineage.lineage
         try:  # a load that raises anyway (after every check passed) restores every piece: nothing is half applied
             apply_all_or_nothing(self._healed_parts(state))
         except StateApplyError as error:
             raise ElasticJoinError(f"{self.membership.name} refused a peer's state: {error}") from error
+        self._lineage.healed(before, self.membership.name)
         self._source = dict(state["boundary"])
         self._healed_rounds.append(self.round_index)
         log.info("took a peer's state worker=%s round=%d", self.membership.name, self.round_index)
@@ -509,8 +541,26 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
                         self.round_index, error)
             self._leave_at(boundary)
             return
+        self._meet_lineages()
         if quorum.healed:  # a worker that stalled and came back
             self._follow_peer(boundary)
+
+    def _meet_lineages(self) -> None:
+        """Right after every quorum this worker trains or averages in, on every member alike: if members of several
+        lineages meet in it, they end on one model (comm/lineage.py). Not in a quorum at the final step: the
+        end-of-fit average is committed there, and its heal gives every member that model."""
+        if is_final(self.quorum.max_step):
+            return
+        try:
+            meeting = self._lineage.reconcile(self.quorum, self._transport, self.layout.read())
+        except LineageExchangeError as error:  # reported with the round's commit: the next quorum meets again
+            log.warning("lineage exchange failed worker=%s: %s", self.membership.name, error)
+            self._transport.failed_collectives += 1
+            self._transport.error = self._transport.error or error
+            return
+        if meeting is not None and meeting.merged:
+            self.layout.scatter(self.layout.read())
+            self._on_replicas_averaged()
 
     def _follow_peer(self, mine: str) -> None:
         """After taking a peer's state at boundary ``mine``: align the trainer and do what the peer does next.
@@ -528,7 +578,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             self._skip_next_mean = True  # the others are not evaluating: this validation uses the local replica
         # ``start`` and ``validate`` reach the end-of-fit average on their own: the fit loop sees the aligned step
         if finishing:
-            self.average_replicas()
+            self.average_replicas()  # returns at once if the peer's average is committed (its heal gave it)
             self._finished = True
             self.lightning_module.trainer.should_stop = True
             log.info("healed into the end-of-fit average worker=%s: no further step", self.membership.name)
@@ -559,29 +609,22 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._start_due_quorum(_AVERAGE)
         if self._left:  # SIGTERM came after the last round: it keeps its own replica
             return
-        deadline = time.monotonic() + self.membership.quorum_timeout
-        while True:
-            failures = self.failed_collectives
-            super().average_replicas()
-            if self.failed_collectives == failures or not self._membership_connected():
-                return
-            if time.monotonic() >= deadline or not self._regroup_for_average():
-                log.warning("end-of-fit average failed worker=%s: this worker keeps its own replica",
-                            self.membership.name)
-                return
+        if is_final(self.quorum.max_step):  # healed from a peer that holds the committed average
+            return
+        FinalAverage(self.membership, average_once=self._average_once, restore_own=self._restore_own_replica,
+                     take_error=self._transport.take_error, leaving=lambda: self._leave_requested_at is not None,
+                     faults=self._faults, quorum_formed=self._meet_lineages).run(self.round_index)
 
-    def _regroup_for_average(self) -> bool:
-        """After a failed end-of-fit average (a member died in it): a new quorum of the survivors."""
-        if self._leave_requested_at is not None:
-            return False
-        log.warning("end-of-fit average failed worker=%s: averaging again over the survivors", self.membership.name)
-        self.membership.commit(self.round_index, self._transport.take_error())
-        try:
-            self.membership.start_quorum()
-        except MembershipError as error:
-            log.warning("no quorum for the end-of-fit average worker=%s: %s", self.membership.name, error)
-            return False
-        return True
+    def _average_once(self) -> bool:
+        """One all-reduce of the replicas over the quorum, applied on success (the own replica is kept otherwise)."""
+        self._own_replica = self.layout.read().clone()
+        failures = self.failed_collectives
+        super().average_replicas()
+        return self.failed_collectives == failures and self._membership_connected()
+
+    def _restore_own_replica(self) -> None:
+        self.layout.scatter(self._own_replica)
+        self._on_replicas_averaged()
 
     # ------------------------------------------------------------------ the round
     @override
@@ -631,6 +674,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def end_round(self) -> None:
         super().end_round()
         self.membership.commit(self.round_index, self._transport.take_error())
+        self._lineage.committed(self.round_index, self.quorum)
         self._quorum_due = True  # formed at the next boundary (see the module docstring)
         if self._leave_requested_at is not None:
             self._leave()
@@ -758,8 +802,8 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
 
 
 class ElasticMetricsCallback(Callback):
-    """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``comm/failed_exchanges`` and
-    ``comm/failed_collectives`` every step."""
+    """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``elastic/lineage_merges``,
+    ``comm/failed_exchanges`` and ``comm/failed_collectives`` every step."""
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -769,6 +813,7 @@ class ElasticMetricsCallback(Callback):
         pl_module.log_dict({
             "elastic/quorum_size": float(strategy.quorum_size),
             "elastic/membership_changes": float(strategy.membership_changes),
+            "elastic/lineage_merges": float(strategy.lineage_merges),
             "comm/failed_exchanges": float(strategy.failed_exchanges),
             "comm/failed_collectives": float(strategy.failed_collectives),
         }, on_step=True, on_epoch=False, rank_zero_only=True)
