@@ -94,6 +94,8 @@ class ElasticSchema:
     first_quorum_delay: float = 1.0
     cpu_threads: int = 1
     leave_grace_s: float = 60.0
+    member_auth: bool = True
+    message_auth: bool = True
     resume: bool = False
     end_grace_s: float = 30.0
     timeout_s: float = 1800.0
@@ -711,6 +713,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
         quorum_timeout=elastic.quorum_timeout, gossip_timeout=elastic.gossip_timeout,
         transfer_timeout=elastic.transfer_timeout, first_quorum_delay=0.0, cpu_threads=elastic.cpu_threads,
         bind=elastic.bind, advertise=elastic.advertise, leave_grace_s=elastic.leave_grace_s,
+        member_auth=elastic.member_auth, message_auth=elastic.message_auth,
     )
     run.strategy = strategy
     run.trainer.devices = 1

@@ -89,8 +89,10 @@ class MemberCheck:
 
 def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
                    authenticator: MemberAuthenticator, timeout: float) -> MemberCheck:
-    """Challenge every other member of the quorum over ``pg`` (ranks = indices in ``members``), under one
-    deadline of ``timeout`` seconds for the whole check; returns who is admitted and who is refused."""
+    """Challenge every other member of the quorum over ``pg`` (ranks = indices in ``members``); returns who is
+    admitted and who is refused. Each of the two steps waits at most ``timeout`` seconds, the second from when
+    the first ended: a silent member spends the first step's deadline on every member alike, and the members
+    that did answer still have a whole deadline to exchange their answers."""
     me, deadline = members[index], time.monotonic() + timeout
     peers = [peer for peer in range(len(members)) if peer != index]
     mine = {peer: authenticator.nonce() for peer in peers}
@@ -100,7 +102,7 @@ def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: 
     proofs = {peer: _as_tensor(authenticator.answer(
         quorum_id=quorum_id, prover=me, verifier=members[peer], verifier_nonce=bytes(theirs[peer].numpy()),
         prover_nonce=mine[peer])) for peer in ok}
-    answered = _exchange(pg, ok, proofs, answers, RESPONSE_TAG, deadline)
+    answered = _exchange(pg, ok, proofs, answers, RESPONSE_TAG, time.monotonic() + timeout)
     admitted = [peer for peer in answered if authenticator.check(
         bytes(answers[peer].numpy()), quorum_id=quorum_id, prover=members[peer], verifier=me,
         verifier_nonce=mine[peer], prover_nonce=bytes(theirs[peer].numpy()))]

@@ -65,7 +65,9 @@ from gasloc_lightning.algorithm.round import GossipRound
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.flat import all_finite
+from gasloc_lightning.comm.member_auth import MemberAuthenticator
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum, SurplusWorkerError
+from gasloc_lightning.comm.message_auth import MessageAuthenticator
 from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
@@ -122,6 +124,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             ``GASLOC_ELASTIC_SECRET`` (``gasloc-elastic`` sets it). Never logged.
         leave_grace_s: seconds after SIGTERM within which this worker finishes its round before it leaves; past
             them it abandons the round.
+        member_auth: challenge every quorum member with the run's secret before the quorum's first exchange, and
+            exchange with none that fails (``docs/security.md``: what it protects and costs).
+        message_auth: tag every gossip message and all-reduce chunk with a keyed hash; one whose tag fails is
+            dropped like a failed exchange (``comm/unauthentic_messages``).
         **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
             ``ranks_per_worker > 1`` are not supported in the elastic mode).
     """
@@ -145,6 +151,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         advertise: str | None = None,
         secret: str | None = None,
         leave_grace_s: float = 60.0,
+        member_auth: bool = True,
+        message_auth: bool = True,
         **kwargs: Any,
     ) -> None:
         _check_int("min_workers", min_workers, 1)
@@ -166,6 +174,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
         if not isinstance(leave_grace_s, (int, float)) or isinstance(leave_grace_s, bool) or leave_grace_s < 0:
             raise ValueError(f"leave_grace_s must be a number of seconds >= 0, got {leave_grace_s!r}")
+        for name, value in (("member_auth", member_auth), ("message_auth", message_auth)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         key = run_secret(secret)
         if key is None:
             raise ValueError("secret: the run's secret is missing: pass secret=... or set the environment variable "
@@ -173,6 +184,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         super().__init__(gossip_timeout=gossip_timeout, **kwargs)
         self._min_workers, self._max_workers = min_workers, max_workers
         self._leave_grace_s = float(leave_grace_s)
+        self._member_auth, self._message_auth = member_auth, message_auth
         self._membership_args = dict(
             lighthouse=lighthouse, worker_id=worker_id, min_workers=min_workers, max_workers=max_workers,
             connect_timeout=connect_timeout, quorum_timeout=quorum_timeout, gossip_timeout=gossip_timeout,
@@ -224,6 +236,16 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def failed_collectives(self) -> int:
         """All-reduces over the quorum that failed (consensus evaluation, averages, DiLoCo rounds)."""
         return self._transport.failed_collectives if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def refused_members(self) -> int:
+        """Quorum members refused by their challenge (once per member and quorum): they had not the secret."""
+        return self._transport.refused_members if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def unauthentic_messages(self) -> int:
+        """Received messages or all-reduce chunks whose keyed tag failed (dropped, never used)."""
+        return self._transport.unauthentic_messages if isinstance(self._transport, ElasticTransport) else 0
 
     @property
     def healed_rounds(self) -> list[int]:
@@ -296,7 +318,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             start_step=self.round_index,  # a resumed worker keeps its replica unless a peer is further
             max_state_bytes=_max_state_bytes(self.layout.numel),
         )
-        self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
+        key = self._membership_args["secret"]
+        self._transport = ElasticTransport(
+            self.layout.numel, self._membership, self.root_device,
+            member_auth=MemberAuthenticator(key) if self._member_auth else None,
+            message_auth=MessageAuthenticator(key) if self._message_auth else None)
         self._listen_for_sigterm()
         if self._leave_requested_at is not None:
             raise ElasticLeave("SIGTERM before joining")
@@ -558,12 +584,17 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     # ------------------------------------------------------------------ the round
     @override
     def peers(self, round_index: int | None = None) -> dict[int, float]:
-        """This worker's peers in the current quorum (indices in its sorted member list) and weights w_ij."""
+        """This worker's peers in the current quorum (indices in its sorted member list) and weights w_ij: the
+        topology's graph over the admitted members (all, or those that passed member authentication)."""
         quorum = self.quorum
         if quorum.size <= 1 or not quorum.usable:  # e.g. larger than max_workers: no graph of that size
             return {}
+        admitted = self._transport.admitted()  # the same list on every honest member
+        if len(admitted) < max(2, self._min_workers):
+            return {}
         t = quorum.max_step if round_index is None else round_index  # identical on every member
-        return self._topology.mixing_weights(quorum.index, quorum.size, t)
+        weights = self._topology.mixing_weights(admitted.index(quorum.index), len(admitted), t)
+        return {admitted[node]: weight for node, weight in weights.items()}
 
     @override
     @torch.no_grad()
@@ -730,8 +761,8 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
 
 
 class ElasticMetricsCallback(Callback):
-    """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``comm/failed_exchanges`` and
-    ``comm/failed_collectives`` every step."""
+    """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``comm/failed_exchanges``,
+    ``comm/failed_collectives``, ``comm/refused_members`` and ``comm/unauthentic_messages`` every step."""
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -743,6 +774,8 @@ class ElasticMetricsCallback(Callback):
             "elastic/membership_changes": float(strategy.membership_changes),
             "comm/failed_exchanges": float(strategy.failed_exchanges),
             "comm/failed_collectives": float(strategy.failed_collectives),
+            "comm/refused_members": float(strategy.refused_members),
+            "comm/unauthentic_messages": float(strategy.unauthentic_messages),
         }, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
