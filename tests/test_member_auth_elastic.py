@@ -119,11 +119,11 @@ def test_an_intruder_without_the_secret_is_refused_before_any_exchange(tmp_path,
         intruder.membership.shutdown()
     assert not thread.is_alive()
     assert any(quorum.size == 3 for quorum in intruder.quorums), "the intruder never made a quorum: nothing tested"
+    assert not intruder.received_a_message(), "the intruder received a member's message"
+    assert intruder.loaded == [], "the intruder took a member's state"
     progress = [read_progress(tmp_path / f"worker_{worker}") or {} for worker in range(2)]
     assert [row["exit_code"] for row in summary["workers"]] == [0, 0], summary
     assert [record.get("step") for record in progress] == [MAX_STEPS, MAX_STEPS], progress
     assert len({record["model_checksum"] for record in progress}) == 1, f"not one model: {progress}"
     assert all(record["refused_members"] >= 1 for record in progress), progress
     assert all(record["failed_exchanges"] == 0 and record["failed_collectives"] == 0 for record in progress), progress
-    assert not intruder.received_a_message(), "the intruder received a member's message"
-    assert intruder.loaded == [], "the intruder took a member's state"
