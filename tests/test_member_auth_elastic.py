@@ -49,6 +49,7 @@ class Intruder:
     def __init__(self, lighthouse: str, numel: int) -> None:
         self.numel, self.loaded, self.quorums = numel, [], []
         self.buffers: list[torch.Tensor] = []  # every receive it posted: NaN until a message lands
+        self.works: list = []
         self.membership = ElasticMembership(
             lighthouse=lighthouse, worker_id=9, min_workers=2, state_dict=lambda: {"x": torch.zeros(1)},
             load_state_dict=self.loaded.append, connect_timeout=10, quorum_timeout=5, gossip_timeout=3,
@@ -58,21 +59,26 @@ class Intruder:
         self.membership.connect()
         challenged = None
         while not stop.is_set():
-            try:
-                quorum = self.membership.start_quorum()  # behind the others: its heal is asked for and refused
+            try:  # the first quorum finds it behind the others: its heal is asked for and refused
+                quorum = self.membership.start_quorum()
             except MembershipError:
                 continue
             self.quorums.append(quorum)
-            pg = self.membership.process_group
-            if quorum.size > 1 and quorum.quorum_id != challenged:
-                challenged = quorum.quorum_id
-                verify_members(pg, quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
-                               authenticator=MemberAuthenticator(b"a-guess"), timeout=3)
-                for peer in range(quorum.size):  # whatever a member would send it as its gossip message
-                    if peer != quorum.index:
-                        self.buffers.append(torch.full((self.numel,), math.nan))
-                        pg.recv([self.buffers[-1]], peer, GOSSIP_TAG)
-            self.membership.commit(0)
+            self.attack(quorum, challenged)
+            challenged = quorum.quorum_id
+            self.membership.commit(quorum.max_step)  # up to date from now on: no heal source, no heal
+
+    def attack(self, quorum, challenged) -> None:
+        """Answer the challenge with a guess, then post a receive for every member's gossip message."""
+        pg = self.membership.process_group
+        if quorum.size <= 1 or quorum.quorum_id == challenged:
+            return
+        verify_members(pg, quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
+                       authenticator=MemberAuthenticator(b"a-guess"), timeout=3)
+        for peer in range(quorum.size):
+            if peer != quorum.index:
+                self.buffers.append(torch.full((self.numel,), math.nan))
+                self.works.append(pg.recv([self.buffers[-1]], peer, GOSSIP_TAG))
 
     def received_a_message(self) -> bool:
         return any(not torch.isnan(buffer).all() for buffer in self.buffers)
