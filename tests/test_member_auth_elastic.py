@@ -10,6 +10,7 @@ model with no failed exchange (nothing was ever attempted with it).
 from __future__ import annotations
 
 import math
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,17 +24,32 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 
 from app_utils import CONF, shared_cache_dir  # noqa: E402
-from gasloc_lightning.app.elastic import free_port, run_elastic  # noqa: E402
+from gasloc_lightning.app.elastic import free_port, lighthouse_command, run_elastic  # noqa: E402
 from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
 from gasloc_lightning.comm.flat import FlatLayout  # noqa: E402
 from gasloc_lightning.comm.member_auth import MemberAuthenticator, verify_members  # noqa: E402
-from gasloc_lightning.comm.membership import ElasticMembership, MembershipError  # noqa: E402
+from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 MAX_STEPS = 60
 GOSSIP_TAG = 1000  # ElasticTransport's message tag
+
+
+@pytest.fixture
+def lighthouse():
+    """A lighthouse of min 2 workers shared by the honest workers and the intruder; stopped by pid."""
+    port = free_port()
+    process = subprocess.Popen(lighthouse_command(port, 2, 5000, 1500), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60  # a failure deadline: a loaded machine starts it late
+    while not lighthouse_reachable(address, timeout=0.5) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    yield address
+    process.kill()
+    process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +100,14 @@ class Intruder:
         return any(not torch.isnan(buffer).all() for buffer in self.buffers)
 
 
-def _config(tmp_path: Path, cache_dir: Path, method: str, port: int, member_auth: bool):
+def _config(tmp_path: Path, cache_dir: Path, method: str, lighthouse: str, member_auth: bool):
     overrides = [
         "model=tiny", "data=stdlib", "trainer=cpu", "inner_steps=5", f"trainer.max_steps={MAX_STEPS}",
         f"trainer.val_check_interval={MAX_STEPS}", "trainer.enable_progress_bar=false", "data.batch_size=4",
         "data.val_batches=1", "callbacks.lr_monitor=null", "strategy.consensus_every=0", "elastic.workers=2",
         "elastic.min_workers=2", "elastic.max_workers=3", "elastic.heartbeat_timeout_ms=1500",
         "elastic.join_timeout_ms=5000", "elastic.gossip_timeout=3", "elastic.quorum_timeout=30",
-        "elastic.timeout_s=240", f"elastic.method={method}", f"elastic.lighthouse_port={port}",
+        "elastic.timeout_s=240", f"elastic.method={method}", f"elastic.lighthouse={lighthouse}",
         f"elastic.member_auth={str(member_auth).lower()}", f"output_dir={tmp_path}", f"cache_dir={cache_dir}",
     ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -110,10 +126,9 @@ def _intrude_once_training(intruder: Intruder, output_dir: Path, stop: threading
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["gasloc", "diloco"])
-def test_an_intruder_without_the_secret_is_refused_before_any_exchange(tmp_path, cache_dir, method):
-    port = free_port()
-    cfg = _config(tmp_path, cache_dir, method, port, member_auth=True)
-    intruder = Intruder(f"127.0.0.1:{port}", FlatLayout(instantiate(cfg.model), bind=False).numel)
+def test_an_intruder_without_the_secret_is_refused_before_any_exchange(tmp_path, cache_dir, lighthouse, method):
+    cfg = _config(tmp_path, cache_dir, method, lighthouse, member_auth=True)
+    intruder = Intruder(lighthouse, FlatLayout(instantiate(cfg.model), bind=False).numel)
     stop = threading.Event()
     thread = threading.Thread(target=_intrude_once_training, args=(intruder, tmp_path, stop), daemon=True)
     thread.start()
