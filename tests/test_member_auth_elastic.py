@@ -66,12 +66,20 @@ class Intruder:
         self.numel, self.loaded, self.quorums = numel, [], []
         self.buffers: list[torch.Tensor] = []  # every receive it posted: NaN until a message lands
         self.works: list = []
+        self.error: BaseException | None = None
         self.membership = ElasticMembership(
             lighthouse=lighthouse, worker_id=9, min_workers=2, state_dict=lambda: {"x": torch.zeros(1)},
             load_state_dict=self.loaded.append, connect_timeout=10, quorum_timeout=5, gossip_timeout=3,
             transfer_timeout=10, secret=b"a-guess")
 
     def run(self, stop: threading.Event) -> None:
+        try:
+            self._run(stop)
+        except BaseException as error:  # noqa: BLE001 - the test reports it
+            self.error = error
+            raise
+
+    def _run(self, stop: threading.Event) -> None:
         self.membership.connect()
         challenged = None
         while not stop.is_set():
@@ -138,7 +146,7 @@ def test_an_intruder_without_the_secret_is_refused_before_any_exchange(tmp_path,
         stop.set()
         thread.join(timeout=30)
         intruder.membership.shutdown()
-    assert not thread.is_alive()
+    assert not thread.is_alive() and intruder.error is None, repr(intruder.error)
     assert any(quorum.size == 3 for quorum in intruder.quorums), "the intruder never made a quorum: nothing tested"
     assert not intruder.received_a_message(), "the intruder received a member's message"
     assert intruder.loaded == [], "the intruder took a member's state"
