@@ -69,7 +69,7 @@ class Intruder:
         self.error: BaseException | None = None
         self.membership = ElasticMembership(
             lighthouse=lighthouse, worker_id=9, min_workers=2, state_dict=lambda: {"x": torch.zeros(1)},
-            load_state_dict=self.loaded.append, connect_timeout=10, quorum_timeout=5, gossip_timeout=3,
+            load_state_dict=self.loaded.append, connect_timeout=10, quorum_timeout=5, gossip_timeout=30,
             transfer_timeout=10, secret=b"a-guess")
 
     def run(self, stop: threading.Event) -> None:
@@ -93,16 +93,17 @@ class Intruder:
             self.membership.commit(quorum.max_step)  # up to date from now on: no heal source, no heal
 
     def attack(self, quorum, challenged) -> None:
-        """Answer the challenge with a guess, then post a receive for every member's gossip message."""
+        """Post a receive for every member's gossip message, then answer the challenge with a guess. (Its waits are
+        long: in gloo a receive that times out closes the connection, and would end the attack early.)"""
         pg = self.membership.process_group
         if quorum.size <= 1 or quorum.quorum_id == challenged:
             return
-        verify_members(pg, quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
-                       authenticator=MemberAuthenticator(b"a-guess"), timeout=3)
         for peer in range(quorum.size):
             if peer != quorum.index:
                 self.buffers.append(torch.full((self.numel,), math.nan))
                 self.works.append(pg.recv([self.buffers[-1]], peer, GOSSIP_TAG))
+        verify_members(pg, quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
+                       authenticator=MemberAuthenticator(b"a-guess"), timeout=20)
 
     def received_a_message(self) -> bool:
         return any(not torch.isnan(buffer).all() for buffer in self.buffers)
