@@ -255,3 +255,12 @@ def test_an_all_reduce_with_a_refused_member_averages_the_admitted_ones_over_a_t
     with pytest.raises(ElasticCollectiveError):
         _run([0, 1], lambda rank: transports[rank].all_reduce_mean(torch.ones(6), round_exchange=True))
     assert transports[0].unauthentic_messages + transports[1].unauthentic_messages >= 1
+
+
+@pytest.mark.parametrize("arguments, message", [({"member_auth": None}, "member_auth"),
+                                                ({"message_auth": "yes"}, "message_auth")])
+def test_the_strategy_validates_its_authentication_options(arguments, message):
+    from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s", **arguments)

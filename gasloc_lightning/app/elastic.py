@@ -95,7 +95,7 @@ class ElasticSchema:
     cpu_threads: int = 1
     leave_grace_s: float = 60.0
     member_auth: bool = True
-    message_auth: bool = True
+    message_auth: bool | None = None
     resume: bool = False
     end_grace_s: float = 30.0
     timeout_s: float = 1800.0

@@ -78,6 +78,10 @@ log = logging.getLogger(__name__)
 __all__ = ["ElasticDiLoCoStrategy", "ElasticGASLoCStrategy", "ElasticJoinError", "ElasticLeave",
            "ElasticMetricsCallback"]
 
+# message_auth=None tags messages up to this many float32 elements (64 MB): benchmarks/message_auth.py measured the
+# tags at 1.004-1.007x a demo round, but 4.2x the exchange of a 1B-parameter message on a 2-core host.
+AUTO_MESSAGE_AUTH_ELEMENTS = 1 << 24
+
 # Where a member is when the next quorum forms (sent to joiners with the state, so they do what it does next).
 _START, _TRAIN, _VALIDATE, _AVERAGE = "start", "train", "validate", "average"
 
@@ -127,7 +131,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         member_auth: challenge every quorum member with the run's secret before the quorum's first exchange, and
             exchange with none that fails (``docs/security.md``: what it protects and costs).
         message_auth: tag every gossip message and all-reduce chunk with a keyed hash; one whose tag fails is
-            dropped like a failed exchange (``comm/unauthentic_messages``).
+            dropped like a failed exchange (``comm/unauthentic_messages``). ``None``: on for messages up to
+            ``AUTO_MESSAGE_AUTH_ELEMENTS`` (64 MB of float32), where it costs little; off above, where hashing costs
+            more than the transfer on a CPU-bound host (``docs/security.md``, ``benchmarks/message_auth.py``).
         **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
             ``ranks_per_worker > 1`` are not supported in the elastic mode).
     """
@@ -152,7 +158,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         secret: str | None = None,
         leave_grace_s: float = 60.0,
         member_auth: bool = True,
-        message_auth: bool = True,
+        message_auth: bool | None = None,
         **kwargs: Any,
     ) -> None:
         _check_int("min_workers", min_workers, 1)
@@ -174,9 +180,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
         if not isinstance(leave_grace_s, (int, float)) or isinstance(leave_grace_s, bool) or leave_grace_s < 0:
             raise ValueError(f"leave_grace_s must be a number of seconds >= 0, got {leave_grace_s!r}")
-        for name, value in (("member_auth", member_auth), ("message_auth", message_auth)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be true or false, got {value!r}")
+        if not isinstance(member_auth, bool):
+            raise ValueError(f"member_auth must be true or false, got {member_auth!r}")
+        if message_auth is not None and not isinstance(message_auth, bool):
+            raise ValueError(f"message_auth must be true, false or None (on up to 64 MB messages), got {message_auth!r}")
         key = run_secret(secret)
         if key is None:
             raise ValueError("secret: the run's secret is missing: pass secret=... or set the environment variable "
@@ -236,6 +243,13 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def failed_collectives(self) -> int:
         """All-reduces over the quorum that failed (consensus evaluation, averages, DiLoCo rounds)."""
         return self._transport.failed_collectives if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def message_auth(self) -> bool:
+        """Whether messages carry keyed tags (``None`` at construction: decided by the message's size)."""
+        if self._message_auth is not None:
+            return self._message_auth
+        return self._layout is not None and self.layout.numel <= AUTO_MESSAGE_AUTH_ELEMENTS
 
     @property
     def refused_members(self) -> int:
@@ -322,7 +336,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._transport = ElasticTransport(
             self.layout.numel, self._membership, self.root_device,
             member_auth=MemberAuthenticator(key) if self._member_auth else None,
-            message_auth=MessageAuthenticator(key) if self._message_auth else None)
+            message_auth=MessageAuthenticator(key) if self.message_auth else None)
         self._listen_for_sigterm()
         if self._leave_requested_at is not None:
             raise ElasticLeave("SIGTERM before joining")
