@@ -137,9 +137,9 @@ class TagBuilder:
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
+    """The bytes of a tensor: without a copy for a contiguous CPU tensor (else one copy on the CPU)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("a tagged message must be a contiguous CPU tensor")
+        tensor = tensor.detach().to("cpu", memory_format=torch.contiguous_format)
     return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
