@@ -96,12 +96,13 @@ def test_members_with_the_secret_admit_each_other_and_refuse_one_without_it():
     assert [check.admitted for check in checks[:2]] == [(0, 1), (0, 1)]
     assert [check.refused for check in checks[:2]] == [(2,), (2,)]
     assert checks[2].admitted == (2,)  # the intruder cannot tell the honest members' answers apart either
+    assert checks[0].unanswered == ()  # it answered, wrongly
 
 
 def test_a_silent_member_is_refused_once_the_deadline_passes():
     mailbox = Mailbox()  # rank 2 never answers
     checks = _verify(mailbox, {0: SECRET, 1: SECRET}, timeout=0.5)
-    assert [(check.admitted, check.refused) for check in checks] == [((0, 1), (2,)), ((0, 1), (2,))]
+    assert [(check.admitted, check.refused, check.unanswered) for check in checks] == [((0, 1), (2,), (2,))] * 2
 
 
 def test_an_answer_relayed_from_another_member_or_another_quorum_is_refused():
@@ -264,3 +265,10 @@ def test_the_strategy_validates_its_authentication_options(arguments, message):
 
     with pytest.raises(ValueError, match=message):
         ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s", **arguments)
+
+
+def test_a_member_that_does_not_answer_is_refused_and_reported_so_the_next_quorum_challenges_again():
+    mailbox = Mailbox()  # rank 2 is stalled: it never answers
+    transports = {rank: _elastic_transport(mailbox, rank, SECRET, tagged=False) for rank in (0, 1)}
+    assert _run([0, 1], lambda rank: transports[rank].admitted()) == [(0, 1), (0, 1)]
+    assert all("no answer to the member challenge from worker_0002" in str(t.take_error()) for t in transports.values())

@@ -99,6 +99,9 @@ class ElasticTransport:
                                          members=quorum.members, index=quorum.index,
                                          authenticator=self.member_auth, timeout=self.timeout)
             self.refused_members += len(self._check.refused)
+            if self._check.unanswered:  # maybe an honest member that was slow: the next quorum challenges again
+                self.error = self.error or RuntimeError(
+                    "no answer to the member challenge from " + ",".join(quorum.names[i] for i in self._check.unanswered))
         return self._check.admitted
 
     def take_error(self) -> Exception | None:

@@ -14,7 +14,9 @@ later exchanges use):
 The answer names prover and verifier, so it proves nothing anywhere else: not reflected back to its sender,
 not relayed to a third member, not replayed in another quorum (a fresh nonce, the quorum id). A member that
 answers wrongly, not at all within the deadline, or not in the expected shape is *refused* for the whole
-quorum: nothing of this worker's model is ever sent to it, and nothing it sends is read. What happens then
+quorum: nothing of this worker's model is ever sent to it, and nothing it sends is read. A member that did not
+answer may be an honest one that was slow (a stall, a long heal): the transport reports that as a failed
+exchange, so the next quorum (a new id) challenges again; a wrong answer is not reported (the quorum stays). What happens then
 (:mod:`~gasloc_lightning.comm.elastic_transport`): a gossip round draws its pairs over the admitted members
 only; an all-reduce runs as a ring over the admitted members (point to point on the same group: gloo's own
 all-reduce would hand the refused member partial sums). Every honest member refuses the intruder, so the
@@ -80,11 +82,13 @@ class MemberAuthenticator:
 
 @dataclass(frozen=True)
 class MemberCheck:
-    """The outcome of one quorum's challenges, as quorum indices (this worker's own is admitted)."""
+    """The outcome of one quorum's challenges, as quorum indices (this worker's own is admitted). ``unanswered``:
+    the refused members that sent no well-formed answer in time (dead, stalled, or slow: maybe honest)."""
 
     quorum_id: int
     admitted: tuple[int, ...]
     refused: tuple[int, ...]
+    unanswered: tuple[int, ...] = ()
 
 
 def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
@@ -111,7 +115,8 @@ def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: 
         log.warning("member refused quorum_id=%d member=%s worker=%s reason=%s", quorum_id,
                     members[peer].split(":")[0], me.split(":")[0],
                     "wrong answer" if peer in answered else "no answer in time")
-    return MemberCheck(quorum_id=quorum_id, admitted=tuple(sorted([index, *admitted])), refused=refused)
+    return MemberCheck(quorum_id=quorum_id, admitted=tuple(sorted([index, *admitted])), refused=refused,
+                       unanswered=tuple(peer for peer in refused if peer not in answered))
 
 
 def _exchange(pg: Any, peers: list[int], outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor],
