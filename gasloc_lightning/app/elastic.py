@@ -100,6 +100,8 @@ class ElasticSchema:
     first_quorum_delay: float = 1.0
     cpu_threads: int = 1
     leave_grace_s: float = 60.0
+    member_auth: bool = True
+    message_auth: bool | None = None
     resume: bool = False
     end_grace_s: float = 30.0
     timeout_s: float = 1800.0
@@ -802,6 +804,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
         transfer_timeout=elastic.transfer_timeout, first_quorum_delay=0.0, cpu_threads=elastic.cpu_threads,
         bind=elastic.bind, advertise=elastic.advertise, leave_grace_s=elastic.leave_grace_s,
         lighthouse_timeout=elastic.lighthouse_timeout, lighthouse_wait=elastic.lighthouse_wait,
+        member_auth=elastic.member_auth, message_auth=elastic.message_auth,
     )
     run.strategy = strategy
     run.trainer.devices = 1

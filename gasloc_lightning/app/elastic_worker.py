@@ -100,6 +100,8 @@ class ElasticProgress(Callback):
             "lineage_merges": strategy.lineage_merges if elastic else 0,
             "failed_exchanges": strategy.failed_exchanges if elastic else 0,
             "failed_collectives": strategy.failed_collectives if elastic else 0,
+            "refused_members": strategy.refused_members if elastic else 0,
+            "unauthentic_messages": strategy.unauthentic_messages if elastic else 0,
             "healed_rounds": strategy.healed_rounds if elastic else [],
             **extra,
         }

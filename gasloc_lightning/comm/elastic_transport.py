@@ -9,6 +9,13 @@ peer is left out of the received list) and the failure is counted once, in :attr
 (a round's exchange, DiLoCo's all-reduce included) or :attr:`failed_collectives` (the other
 all-reduces: consensus evaluation, the end-of-fit average). The first error of a round is kept in
 :attr:`error` for the membership to report after the round's collectives.
+
+Authentication (``docs/security.md``): with a :class:`~gasloc_lightning.comm.member_auth.MemberAuthenticator`,
+the quorum's members are challenged before its first exchange (:meth:`ElasticTransport.admitted`); a refused
+member is never sent or read anything (:attr:`refused_members` counts refusals), and an all-reduce then runs as
+a ring over the admitted members (:mod:`~gasloc_lightning.comm.ring`). With a
+:class:`~gasloc_lightning.comm.message_auth.MessageAuthenticator`, every message and ring chunk travels with a
+keyed tag; one whose tag fails is dropped like a failed exchange and counted in :attr:`unauthentic_messages`.
 """
 
 from __future__ import annotations
@@ -22,13 +29,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gasloc_lightning.comm.member_auth import MemberAuthenticator, MemberCheck, verify_members
 from gasloc_lightning.comm.membership import ElasticMembership
+from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, context, tag_bytes, tag_tensor
+from gasloc_lightning.comm.ring import UnauthenticMessageError, ring_all_reduce_sum
 from gasloc_lightning.comm.transport import PendingExchange, TrafficCounters, ring_all_reduce_bytes
 
 log = logging.getLogger(__name__)
 
 # torchft's PGTransport uses tags 1, 2, 3+i on the same process group: ours stay clear of them.
 _GOSSIP_TAG = 1000
+_GOSSIP_TAG_TAG = 1003  # a gossip message's keyed tag (member_auth uses 1001-1002, the ring 1004-1005)
 
 
 class ElasticCollectiveError(RuntimeError):
@@ -42,9 +53,13 @@ class ElasticTransport:
         numel: elements of one message.
         membership: the worker's membership (its process group is reconfigured at every quorum change).
         device: where buffers live (CPU: torchft's gloo group).
+        member_auth: challenges every quorum member before the quorum's first exchange (``None``: trusts them).
+        message_auth: tags every message and checks every received one (``None``: no tags).
     """
 
-    def __init__(self, numel: int, membership: ElasticMembership, device: torch.device | None = None) -> None:
+    def __init__(self, numel: int, membership: ElasticMembership, device: torch.device | None = None, *,
+                 member_auth: MemberAuthenticator | None = None,
+                 message_auth: MessageAuthenticator | None = None) -> None:
         self.numel, self.membership = numel, membership
         self.device = torch.device("cpu") if device is None else device
         self.dtype = torch.float32
@@ -54,6 +69,13 @@ class ElasticTransport:
         self.failed_collectives = 0
         self.error: Exception | None = None
         self._receive_buffers: list[Tensor] = []
+        self._tag_buffers: list[Tensor] = []
+        self.member_auth, self.message_auth = member_auth, message_auth
+        self.refused_members = 0  # members refused by their challenge (once per member and quorum)
+        self.unauthentic_messages = 0  # received messages or ring chunks whose tag failed (dropped)
+        self._quorum_key: tuple | None = None  # the quorum the two below belong to
+        self._check: MemberCheck | None = None
+        self._collectives = 0  # all-reduces in this quorum: bound into the ring's tags (no replay across them)
 
     @property
     def rank(self) -> int:
@@ -62,6 +84,25 @@ class ElasticTransport:
     @property
     def world_size(self) -> int:
         return self.membership.quorum.size
+
+    def admitted(self) -> tuple[int, ...]:
+        """The quorum indices this worker exchanges with (its own included): every member, or with member
+        authentication those that answered this quorum's challenge (run at the quorum's first call)."""
+        quorum = self.membership.quorum
+        key = (quorum.quorum_id, quorum.members)
+        if key != self._quorum_key:
+            self._quorum_key, self._check, self._collectives = key, None, 0
+        if self.member_auth is None or not quorum.usable or quorum.size <= 1:
+            return tuple(range(quorum.size))
+        if self._check is None:
+            self._check = verify_members(self.membership.process_group, quorum_id=quorum.quorum_id,
+                                         members=quorum.members, index=quorum.index,
+                                         authenticator=self.member_auth, timeout=self.timeout)
+            self.refused_members += len(self._check.refused)
+            if self._check.unanswered:  # maybe an honest member that was slow: the next quorum challenges again
+                self.error = self.error or RuntimeError(
+                    "no answer to the member challenge from " + ",".join(quorum.names[i] for i in self._check.unanswered))
+        return self._check.admitted
 
     def take_error(self) -> Exception | None:
         """The first failure since the last call (for the membership's commit), then forget it."""
@@ -73,36 +114,63 @@ class ElasticTransport:
             self._receive_buffers.append(torch.empty(self.numel, dtype=self.dtype, device=self.device))
         return self._receive_buffers[slot]
 
+    def tag_buffer(self, slot: int) -> Tensor:
+        while len(self._tag_buffers) <= slot:
+            self._tag_buffers.append(torch.zeros(TAG_BYTES, dtype=torch.uint8))
+        return self._tag_buffers[slot]
+
     def post(self, message: Tensor, peers: Mapping[int, float], round_index: int, clock: float | None = None
              ) -> PendingExchange:
-        """Start sending ``message`` to every peer (quorum indices) and receiving theirs; returns at once."""
+        """Start sending ``message`` to every peer (quorum indices) and receiving theirs; returns at once
+        (with message authentication, once this worker's tags are computed, while the messages travel)."""
         if clock is not None:
             raise ValueError("ElasticTransport carries no simulated clock")
         pending = PendingExchange(round_index=round_index, peers=dict(peers), deadline=time.monotonic() + self.timeout)
         pg, quorum = self.membership.process_group, self.membership.quorum
+        admitted = self.admitted() if peers and quorum.usable else ()
+        tagged: list[tuple[int, list[Any]]] = []  # the peers whose message went out: their tag follows
         for slot, peer in enumerate(sorted(peers)):
-            incoming = self.receive_buffer(slot)
+            pending.received.append((peers[peer], self.receive_buffer(slot)))
             if not quorum.usable:
                 pending.works.append((peer, [_FailedWork(RuntimeError(f"unusable quorum: {quorum.error}"))]))
-                pending.received.append((peers[peer], incoming))
+                continue
+            if peer not in admitted:  # refused by its challenge: nothing is sent to it or read from it
+                pending.works.append((peer, [_FailedWork(RuntimeError("refused member (failed its challenge)"))]))
                 continue
             try:  # every receive and send is posted before any wait (a triangle cannot deadlock); the receive
                 # first, so both directions flow at once (see transport._RECV_FIRST)
-                works = [pg.recv([incoming], peer, _GOSSIP_TAG), pg.send([message], peer, _GOSSIP_TAG)]
+                works = [pg.recv([self.receive_buffer(slot)], peer, _GOSSIP_TAG), pg.send([message], peer, _GOSSIP_TAG)]
+                if self.message_auth is not None:
+                    works.append(pg.recv([self.tag_buffer(slot)], peer, _GOSSIP_TAG_TAG))
+                    tagged.append((peer, works))
             except Exception as error:  # an unconfigured group raises AssertionError
                 works = [_FailedWork(error)]
             pending.works.append((peer, works))
-            pending.received.append((peers[peer], incoming))
+        if tagged:
+            leaves = self.message_auth.leaves(message)  # hashed once for every peer
+            for peer, works in tagged:
+                tag = tag_tensor(self.message_auth.seal(leaves, self._gossip_use(round_index, quorum.index, peer)))
+                try:
+                    works.append(pg.send([tag], peer, _GOSSIP_TAG_TAG))
+                except Exception as error:  # noqa: BLE001
+                    works.append(_FailedWork(error))
         return pending
+
+    def _gossip_use(self, round_index: int, sender: int, receiver: int) -> bytes:
+        quorum = self.membership.quorum
+        return context("gossip", quorum.quorum_id, round_index, quorum.members[sender], quorum.members[receiver])
 
     def complete(self, pending: PendingExchange) -> tuple[list[tuple[float, Tensor]], list[int]]:
         """Wait for each peer; returns the ``(w_ij, u_j)`` pairs and the peers that completed.
 
-        A failed peer is left out (this worker keeps its own point for its share) and counted.
+        A failed peer, or one whose message's tag fails, is left out (this worker keeps its own point for its
+        share) and counted.
         """
         received, completed = [], []
-        for (peer, works), pair in zip(pending.works, pending.received):
+        for slot, ((peer, works), pair) in enumerate(zip(pending.works, pending.received)):
             failure = self._wait_all(works, pending.deadline)
+            if failure is None and self.message_auth is not None:
+                failure = self._check_tag(pair[1], slot, pending.round_index, peer)
             if failure is None:
                 received.append(pair)
                 completed.append(peer)
@@ -116,6 +184,13 @@ class ElasticTransport:
         if completed:
             self.counters.exchanges += 1
         return received, completed
+
+    def _check_tag(self, message: Tensor, slot: int, round_index: int, peer: int) -> Exception | None:
+        use = self._gossip_use(round_index, peer, self.membership.quorum.index)
+        if self.message_auth.verify(message, use, tag_bytes(self.tag_buffer(slot))):
+            return None
+        self.unauthentic_messages += 1
+        return UnauthenticMessageError("the message's tag failed (dropped, not mixed in)")
 
     @staticmethod
     def _wait_all(works: list[Any], deadline: float | None) -> Exception | None:
@@ -136,33 +211,55 @@ class ElasticTransport:
         self.counters.bytes_received += num_bytes
 
     def all_reduce_mean(self, tensor: Tensor, *, round_exchange: bool = False) -> Tensor:
-        """In-place mean over the quorum; :class:`ElasticCollectiveError` if a member failed (``tensor`` is
-        then undefined: callers restore it). A failure is counted once: in :attr:`failed_exchanges` when the
-        all-reduce is a round's exchange (``round_exchange``, DiLoCo), else in :attr:`failed_collectives`."""
-        size = self.world_size
-        if size <= 1:
-            return tensor
-        from torch.distributed import AllreduceOptions, ReduceOp
+        """In-place mean over the quorum's admitted members; :class:`ElasticCollectiveError` if a member failed
+        (``tensor`` is then undefined: callers restore it). A failure is counted once: in :attr:`failed_exchanges`
+        when the all-reduce is a round's exchange (``round_exchange``, DiLoCo), else in :attr:`failed_collectives`.
 
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp.SUM
+        gloo's all-reduce when every member is admitted and messages carry no tags; else a ring over the admitted
+        members (:func:`~gasloc_lightning.comm.ring.ring_all_reduce_sum`), each chunk tagged if asked."""
+        if self.world_size <= 1:
+            return tensor
         try:
-            if not self.membership.quorum.usable:
-                raise RuntimeError(f"unusable quorum: {self.membership.quorum.error}")
-            self.membership.process_group.allreduce([tensor], options).wait(timedelta(seconds=self.timeout))
+            ring = self._all_reduce_sum(tensor)
         except Exception as error:
+            if isinstance(error, UnauthenticMessageError):
+                self.unauthentic_messages += 1
             if round_exchange:
                 self.failed_exchanges += 1
             else:
                 self.failed_collectives += 1
             self.error = self.error or error
-            raise ElasticCollectiveError(f"all-reduce over {size} workers failed: {_first_line(error)}") from error
-        tensor.div_(size)
-        volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), size)
+            raise ElasticCollectiveError(f"all-reduce over {self.world_size} workers failed: "
+                                         f"{_first_line(error)}") from error
+        if len(ring) <= 1:  # every other member was refused: the mean is this worker's own
+            return tensor
+        tensor.div_(len(ring))
+        volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), len(ring))
         self.counters.bytes_sent += volume
         self.counters.bytes_received += volume
         self.counters.exchanges += 1
         return tensor
+
+    def _all_reduce_sum(self, tensor: Tensor) -> tuple[int, ...]:
+        """Sum ``tensor`` in place over the admitted members; returns them."""
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        quorum = self.membership.quorum
+        if not quorum.usable:
+            raise RuntimeError(f"unusable quorum: {quorum.error}")
+        ring = self.admitted()
+        self._collectives += 1
+        if len(ring) <= 1:
+            return ring
+        if self.message_auth is None and len(ring) == quorum.size:
+            options = AllreduceOptions()
+            options.reduceOp = ReduceOp.SUM
+            self.membership.process_group.allreduce([tensor], options).wait(timedelta(seconds=self.timeout))
+        else:
+            ring_all_reduce_sum(self.membership.process_group, tensor, ring=ring, rank=quorum.index,
+                                deadline=time.monotonic() + self.timeout, authenticator=self.message_auth,
+                                use=context("all-reduce", quorum.quorum_id, self._collectives))
+        return ring
 
 
 class _FailedWork:

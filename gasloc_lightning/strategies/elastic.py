@@ -68,7 +68,9 @@ from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.faults import FaultPoints
 from gasloc_lightning.comm.flat import all_finite
 from gasloc_lightning.comm.lineage import Lineage, LineageExchangeError, LineageTracker
+from gasloc_lightning.comm.member_auth import MemberAuthenticator
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, Quorum, SurplusWorkerError
+from gasloc_lightning.comm.message_auth import MessageAuthenticator
 from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning, is_split_quorum, quorum_floor, split_warning
 from gasloc_lightning.comm.run_end import is_final
 from gasloc_lightning.comm.state_apply import StateApplyError, StatePart, apply_all_or_nothing
@@ -82,6 +84,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ElasticDiLoCoStrategy", "ElasticGASLoCStrategy", "ElasticJoinError", "ElasticLeave",
            "ElasticMetricsCallback"]
+
+# message_auth=None tags messages up to this many float32 elements (64 MB): benchmarks/message_auth.py measured the
+# tags at 1.004-1.007x a demo round, but 4.2x the exchange of a 1B-parameter message on a 2-core host.
+AUTO_MESSAGE_AUTH_ELEMENTS = 1 << 24
 
 # Where a member is when the next quorum forms (sent to joiners with the state, so they do what it does next).
 _START, _TRAIN, _VALIDATE, _AVERAGE = "start", "train", "validate", "average"
@@ -137,6 +143,12 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         lighthouse_timeout: seconds one request to the lighthouse may wait before it is asked again.
         lighthouse_wait: seconds a worker waits for a lighthouse that died to come back on the same address (then a
             clear error); see :class:`~gasloc_lightning.comm.membership.ElasticMembership`.
+        member_auth: challenge every quorum member with the run's secret before the quorum's first exchange, and
+            exchange with none that fails (``docs/security.md``: what it protects and costs).
+        message_auth: tag every gossip message and all-reduce chunk with a keyed hash; one whose tag fails is
+            dropped like a failed exchange (``comm/unauthentic_messages``). ``None``: on for messages up to
+            ``AUTO_MESSAGE_AUTH_ELEMENTS`` (64 MB of float32), where it costs little; off above, where hashing costs
+            more than the transfer on a CPU-bound host (``docs/security.md``, ``benchmarks/message_auth.py``).
         **kwargs: the arguments of :class:`GASLoCStrategy` (``overlap``, bfloat16 messages, a network model and
             ``ranks_per_worker > 1`` are not supported in the elastic mode).
     """
@@ -163,6 +175,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         leave_grace_s: float = 60.0,
         lighthouse_timeout: float = 30.0,
         lighthouse_wait: float = 60.0,
+        member_auth: bool = True,
+        message_auth: bool | None = None,
         **kwargs: Any,
     ) -> None:
         _check_int("max_workers", max_workers, 1)
@@ -187,6 +201,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             raise ValueError(f"{type(self).__name__} runs one process per worker: ranks_per_worker must be 1")
         if not isinstance(leave_grace_s, (int, float)) or isinstance(leave_grace_s, bool) or leave_grace_s < 0:
             raise ValueError(f"leave_grace_s must be a number of seconds >= 0, got {leave_grace_s!r}")
+        if not isinstance(member_auth, bool):
+            raise ValueError(f"member_auth must be true or false, got {member_auth!r}")
+        if message_auth is not None and not isinstance(message_auth, bool):
+            raise ValueError(f"message_auth must be true, false or None (on up to 64 MB messages), got {message_auth!r}")
         key = run_secret(secret)
         if key is None:
             raise ValueError("secret: the run's secret is missing: pass secret=... or set the environment variable "
@@ -194,6 +212,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         super().__init__(gossip_timeout=gossip_timeout, **kwargs)
         self._min_workers, self._max_workers = min_workers, max_workers
         self._leave_grace_s = float(leave_grace_s)
+        self._member_auth, self._message_auth = member_auth, message_auth
         self._membership_args = dict(
             lighthouse=lighthouse, worker_id=worker_id, min_workers=min_workers, max_workers=max_workers,
             connect_timeout=connect_timeout, quorum_timeout=quorum_timeout, gossip_timeout=gossip_timeout,
@@ -249,6 +268,23 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def failed_collectives(self) -> int:
         """All-reduces over the quorum that failed (consensus evaluation, averages, DiLoCo rounds)."""
         return self._transport.failed_collectives if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def message_auth(self) -> bool:
+        """Whether messages carry keyed tags (``None`` at construction: decided by the message's size)."""
+        if self._message_auth is not None:
+            return self._message_auth
+        return self._layout is not None and self.layout.numel <= AUTO_MESSAGE_AUTH_ELEMENTS
+
+    @property
+    def refused_members(self) -> int:
+        """Quorum members refused by their challenge (once per member and quorum): they had not the secret."""
+        return self._transport.refused_members if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def unauthentic_messages(self) -> int:
+        """Received messages or all-reduce chunks whose keyed tag failed (dropped, never used)."""
+        return self._transport.unauthentic_messages if isinstance(self._transport, ElasticTransport) else 0
 
     @property
     def healed_rounds(self) -> list[int]:
@@ -331,7 +367,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             start_step=self.round_index,  # a resumed worker keeps its replica unless a peer is further
             max_state_bytes=_max_state_bytes(self.layout.numel),
         )
-        self._transport = ElasticTransport(self.layout.numel, self._membership, self.root_device)
+        key = self._membership_args["secret"]
+        self._transport = ElasticTransport(
+            self.layout.numel, self._membership, self.root_device,
+            member_auth=MemberAuthenticator(key) if self._member_auth else None,
+            message_auth=MessageAuthenticator(key) if self.message_auth else None)
         self._faults = FaultPoints.from_env(worker=self._membership.name, known=FAULT_POINTS)
         self._listen_for_sigterm()
         if self._leave_requested_at is not None:
@@ -629,12 +669,17 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     # ------------------------------------------------------------------ the round
     @override
     def peers(self, round_index: int | None = None) -> dict[int, float]:
-        """This worker's peers in the current quorum (indices in its sorted member list) and weights w_ij."""
+        """This worker's peers in the current quorum (indices in its sorted member list) and weights w_ij: the
+        topology's graph over the admitted members (all, or those that passed member authentication)."""
         quorum = self.quorum
         if quorum.size <= 1 or not quorum.usable:  # e.g. larger than max_workers: no graph of that size
             return {}
+        admitted = self._transport.admitted()  # the same list on every honest member
+        if len(admitted) < max(2, self._min_workers):
+            return {}
         t = quorum.max_step if round_index is None else round_index  # identical on every member
-        return self._topology.mixing_weights(quorum.index, quorum.size, t)
+        weights = self._topology.mixing_weights(admitted.index(quorum.index), len(admitted), t)
+        return {admitted[node]: weight for node, weight in weights.items()}
 
     @override
     @torch.no_grad()
@@ -803,7 +848,8 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
 
 class ElasticMetricsCallback(Callback):
     """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``elastic/lineage_merges``,
-    ``comm/failed_exchanges`` and ``comm/failed_collectives`` every step."""
+    ``comm/failed_exchanges``, ``comm/failed_collectives``, ``comm/refused_members`` and
+    ``comm/unauthentic_messages`` every step."""
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -816,6 +862,8 @@ class ElasticMetricsCallback(Callback):
             "elastic/lineage_merges": float(strategy.lineage_merges),
             "comm/failed_exchanges": float(strategy.failed_exchanges),
             "comm/failed_collectives": float(strategy.failed_collectives),
+            "comm/refused_members": float(strategy.refused_members),
+            "comm/unauthentic_messages": float(strategy.unauthentic_messages),
         }, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
