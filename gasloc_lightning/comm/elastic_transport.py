@@ -240,6 +240,11 @@ class ElasticTransport:
         self.counters.exchanges += 1
         return tensor
 
+    def all_reduce_sum(self, tensor: Tensor) -> tuple[int, ...]:
+        """In-place sum of a small control tensor (contiguous, 1-D) over the admitted members, neither counted as an
+        exchange nor as a failure here (the caller decides); returns the admitted quorum indices."""
+        return self._all_reduce_sum(tensor)
+
     def _all_reduce_sum(self, tensor: Tensor) -> tuple[int, ...]:
         """Sum ``tensor`` in place over the admitted members; returns them."""
         from torch.distributed import AllreduceOptions, ReduceOp

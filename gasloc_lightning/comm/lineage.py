@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -69,10 +68,10 @@ def quorum_token(quorum: Quorum) -> int:
 
 @dataclass(frozen=True)
 class LineageMeeting:
-    """The lineages of one quorum's members (index i: member i) and what was done about them."""
+    """The lineages of one quorum's members (index i: member i; ``None``: a refused member) and what was done."""
 
     quorum: Quorum
-    lineages: tuple[Lineage, ...]
+    lineages: tuple[Lineage | None, ...]
     merged: bool = False
 
     @property
@@ -80,6 +79,8 @@ class LineageMeeting:
         """Each lineage present -> the members (names) that carried it."""
         groups: dict[Lineage, list[str]] = {}
         for name, lineage in zip(self.quorum.names, self.lineages):
+            if lineage is None:  # refused by member authentication: not part of the meeting
+                continue
             groups.setdefault(lineage, []).append(name)
         return groups
 
@@ -91,23 +92,20 @@ class LineageMeeting:
         return " | ".join(f"{','.join(names)} ({lineage})" for lineage, names in self.groups.items())
 
 
-def gather_lineages(process_group: Any, quorum: Quorum, mine: Lineage, timeout: float) -> tuple[Lineage, ...]:
-    """Every member's lineage, in member order: an all-gather written as a sum of int64 rows (row i is member i's,
-    the others contribute zeros). :class:`LineageExchangeError` if the all-reduce fails."""
-    from torch.distributed import AllreduceOptions, ReduceOp
-
+def gather_lineages(transport: ElasticTransport, quorum: Quorum, mine: Lineage) -> tuple[Lineage | None, ...]:
+    """Every admitted member's lineage, in member order (``None`` for a member refused by member authentication: it
+    is sent nothing): an all-gather written as a sum of int64 rows (row i is member i's, the others contribute
+    zeros) over the members this worker exchanges with. :class:`LineageExchangeError` if the sum fails."""
     rows = torch.zeros(quorum.size, 3, dtype=torch.int64)
     rows[quorum.index] = torch.tensor([1, mine.round, mine.token])  # column 0: "this row was written"
-    options = AllreduceOptions()
-    options.reduceOp = ReduceOp.SUM
     try:
-        process_group.allreduce([rows], options).wait(timedelta(seconds=timeout))
+        admitted = transport.all_reduce_sum(rows.view(-1))
     except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError, torchft's wrapper others
         raise LineageExchangeError(f"lineage exchange over {quorum.size} workers failed: {error}") from error
-    if not bool((rows[:, 0] == 1).all()):
+    if not bool((rows[list(admitted), 0] == 1).all()):
         raise LineageExchangeError(f"lineage exchange over {quorum.size} workers: rows {rows[:, 0].tolist()} "
                                    "(a member wrote none or several)")
-    return tuple(Lineage(int(r), int(t)) for _, r, t in rows.tolist())
+    return tuple(Lineage(int(r), int(t)) if i in admitted else None for i, (_, r, t) in enumerate(rows.tolist()))
 
 
 class LineageTracker:
@@ -149,7 +147,7 @@ class LineageTracker:
         """
         if not self.needs_meeting(quorum):
             return None
-        lineages = gather_lineages(transport.membership.process_group, quorum, self.lineage, transport.timeout)
+        lineages = gather_lineages(transport, quorum, self.lineage)
         self._met_quorum = quorum.quorum_id
         meeting = LineageMeeting(quorum, lineages)
         if not meeting.diverged:
@@ -165,7 +163,7 @@ class LineageTracker:
             log.warning("lineage merge failed worker=%s: %s (the sides stay apart until the next quorum)",
                         transport.membership.name, error)
             return meeting
-        rounds = {lineage.round for lineage in lineages}
+        rounds = {lineage.round for lineage in lineages if lineage is not None}
         self.lineage = Lineage(max(rounds), quorum_token(quorum))
         self._history = [*self._history[1:], self.lineage]  # the merged token names that round from now on
         self.merges += 1
