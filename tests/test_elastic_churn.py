@@ -103,6 +103,15 @@ def _validation_losses(output_dir: Path, worker: int) -> dict[int, float]:
         return {int(row["step"]) + 1: float(row["val/loss"]) for row in csv.DictReader(handle) if row.get("val/loss")}
 
 
+def _last_metric(output_dir: Path, worker: int, name: str) -> float:
+    """The last logged value of ``name`` in a worker's (last incarnation's) metrics."""
+    summary = json.loads((output_dir / f"worker_{worker}" / "summary.json").read_text())
+    with open(output_dir / f"worker_{worker}" / summary["metrics_csv"], newline="") as handle:
+        values = [float(row[name]) for row in csv.DictReader(handle) if row.get(name)]
+    assert values, f"worker {worker} logged no {name}"
+    return values[-1]
+
+
 @pytest.mark.timeout(240)
 def test_a_worker_rejoining_where_the_others_validate_takes_part_and_nothing_times_out(tmp_path, cache_dir):
     """Validation every round: the restarted worker joins at a validation boundary. It must take part in the
@@ -119,6 +128,9 @@ def test_a_worker_rejoining_where_the_others_validate_takes_part_and_nothing_tim
     rejoined = _progress(tmp_path, 2)
     assert rejoined["healed_rounds"], "the restarted worker took no peer state"
     assert rejoined["failed_exchanges"] == 0 and rejoined["failed_collectives"] == 0, rejoined
+    # the heal server counts what peers made it do in the metrics (not in log lines): some survivor served the heal
+    served = [_last_metric(tmp_path, worker, "heal/served_requests") for worker in (0, 1)]
+    assert sum(served) >= 1 and all(_last_metric(tmp_path, w, "heal/refused_requests") == 0 for w in range(3)), served
     losses = [_validation_losses(tmp_path, worker) for worker in range(3)]
     after = [step for step in losses[2] if step > joined]
     assert len(after) >= 2, (joined, losses[2])

@@ -284,6 +284,15 @@ class ElasticMembership:
             self.shutdown()
             raise
 
+    @property
+    def heal_server_counters(self) -> dict[str, int]:
+        """What peers made this worker's heal server do (``served``, ``refused``, ``aborted``, ``not_staged``,
+        ``log_lines_suppressed``; zeros before it starts): the metrics that replace per-request log lines."""
+        transport = getattr(self, "_transport", None)
+        if transport is None:
+            return {"served": 0, "refused": 0, "aborted": 0, "not_staged": 0, "log_lines_suppressed": 0}
+        return transport.counters
+
     def _start_services(self) -> None:
         from torchft import Manager
 

@@ -846,10 +846,17 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
         super().__init__(topology="complete", outer_momentum=outer_momentum, **kwargs)
 
 
+# The heal server's counters (comm/state_transfer.py): peer-triggered events are counted here, not logged line by line.
+_HEAL_METRICS = {"served": "heal/served_requests", "refused": "heal/refused_requests", "aborted": "heal/aborted_requests",
+                 "not_staged": "heal/not_staged_requests", "log_lines_suppressed": "heal/log_lines_suppressed"}
+
+
 class ElasticMetricsCallback(Callback):
     """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``elastic/lineage_merges``,
-    ``comm/failed_exchanges``, ``comm/failed_collectives``, ``comm/refused_members`` and
-    ``comm/unauthentic_messages`` every step."""
+    ``comm/failed_exchanges``, ``comm/failed_collectives``, ``comm/refused_members``,
+    ``comm/unauthentic_messages`` and the heal server's counters (``heal/served_requests``,
+    ``heal/refused_requests``, ``heal/aborted_requests``, ``heal/not_staged_requests``,
+    ``heal/log_lines_suppressed``) every step."""
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -864,6 +871,7 @@ class ElasticMetricsCallback(Callback):
             "comm/failed_collectives": float(strategy.failed_collectives),
             "comm/refused_members": float(strategy.refused_members),
             "comm/unauthentic_messages": float(strategy.unauthentic_messages),
+            **{_HEAL_METRICS[name]: float(count) for name, count in strategy.membership.heal_server_counters.items()},
         }, on_step=True, on_epoch=False, rank_zero_only=True)
 
 
