@@ -54,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
+from gasloc_lightning.app.live_status import LiveStatus
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
@@ -105,6 +106,8 @@ class ElasticSchema:
     timeout_s: float = 1800.0
     lighthouse_timeout: float = 30.0
     lighthouse_wait: float = 60.0
+    status: bool = True
+    status_every_s: float = 5.0
 
 
 @dataclass
@@ -329,6 +332,8 @@ class ElasticRun:
         self._secret_given = bool(os.environ.get(SECRET_ENV))
         self._secret = os.environ.get(SECRET_ENV) or new_secret()  # only ever in the workers' environment
         self.interrupted = False
+        self.live = LiveStatus(max_steps=int(cfg.trainer.max_steps), every_s=self.elastic.status_every_s,
+                               enabled=bool(self.elastic.status))
 
     def live_pids(self) -> list[int]:
         """The processes this launcher started that are running now: workers, held spares and the lighthouse."""
@@ -480,6 +485,7 @@ class ElasticRun:
             self._resume_stalled()
             self._restart_lighthouse_when_due()
             self._report_quorum(step)
+            self.live.update({record.worker: record.progress() for record in self.workers})
             self._reap()
             for event in [e for e in waiting if not self.workers[e.worker].running]:
                 waiting.remove(event)
@@ -663,6 +669,7 @@ class ElasticRun:
     def stop(self) -> None:
         """Stop every process this launcher started and that still runs, by pid: the workers and held spares first
         (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round)."""
+        self.live.close()  # the last status line stays; what follows prints below it
         running = [record for record in self.workers if record.running]
         for record in running:
             record.ended_by = record.ended_by or "stopped"

@@ -1,0 +1,206 @@
+"""The launchers' live status line: how far a run of many workers is, and whether it is healthy.
+
+Built only from what each worker already writes in its folder (``progress.json``, rewritten atomically at every
+step by :class:`~gasloc_lightning.app.elastic_worker.ElasticProgress`), so nothing new listens on the network:
+
+- :func:`status_of` is a pure function from the workers' progress records (and the previous status, for rates) to a
+  :class:`RunStatus`;
+- :func:`format_status` makes it one line;
+- :class:`LiveStatus` shows it: refreshed in place with ``rich`` on a terminal, or printed every ``every_s``
+  seconds of the caller's clock when the output is a file or a pipe (what a long run's log keeps).
+
+Example line::
+
+    status: step 47/100 (slowest 45) | ETA 0:00:31 | quorum 3 (3 live) | val loss 3.214 | consensus distance 0.0123
+    | failed exchanges 1 | in 12.3 kB/s out 12.1 kB/s
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+STATUS_PREFIX = "status: "
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """One look at the run. ``None``: nothing known yet (no worker has written it)."""
+
+    time: float
+    max_steps: int
+    furthest_step: int
+    slowest_step: int | None  # the slowest live worker's step
+    live_workers: int
+    quorum_size: int | None
+    val_loss: float | None  # the last consensus validation loss any worker logged
+    consensus_distance: float | None
+    failed_exchanges: int
+    bytes_in_per_s: float | None
+    bytes_out_per_s: float | None
+    eta_s: float | None  # until the slowest live worker reaches max_steps, at the rate seen since `origin`
+    origin: tuple[float, int] | None = None  # (time, furthest step) of the first look with a step: the rate's start
+    totals: Mapping[Any, tuple[float, float]] = field(default_factory=dict)  # (worker, pid) -> (sent, received)
+
+
+def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now: float,
+              previous: RunStatus | None = None) -> RunStatus:
+    """The run's status from each worker's last ``progress.json`` record.
+
+    Args:
+        progress: worker id -> its record (``{}`` where none was written yet); only workers whose record says
+            ``running`` or ``starting`` count as live.
+        max_steps: the run's step budget (``trainer.max_steps``).
+        now: the time of this look (seconds, the same clock as ``previous.time``).
+        previous: the last status, for the step rate (ETA) and the byte rates; ``None`` at the first look.
+    """
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
+    live = {w: r for w, r in progress.items() if r.get("state") in ("running", "starting")}
+    steps = [int(r.get("step") or 0) for r in progress.values() if r]
+    live_steps = [int(r.get("step") or 0) for r in live.values()]
+    furthest = max(steps, default=0)
+    latest = _latest(progress.values())
+    totals = {(w, r.get("pid")): (float(r.get("bytes_sent") or 0.0), float(r.get("bytes_received") or 0.0))
+              for w, r in live.items()}
+    origin = previous.origin if previous is not None and previous.origin is not None else None
+    if origin is None and furthest > 0:
+        origin = (now, furthest)
+    slowest = min(live_steps, default=None)
+    return RunStatus(
+        time=now, max_steps=max_steps, furthest_step=furthest, slowest_step=slowest, live_workers=len(live),
+        quorum_size=max((int(r["quorum_size"]) for r in live.values() if r.get("quorum_size")), default=None),
+        val_loss=latest("val_loss"), consensus_distance=latest("consensus_distance"),
+        failed_exchanges=sum(int(r.get("failed_exchanges") or 0) for r in progress.values()),
+        bytes_out_per_s=_rate(totals, previous, now, 0), bytes_in_per_s=_rate(totals, previous, now, 1),
+        eta_s=_eta(origin, now, furthest, max_steps, slowest), origin=origin, totals=totals,
+    )
+
+
+def _latest(records: Any) -> Callable[[str], float | None]:
+    """The value of a key in the record of the furthest worker that has one (the freshest consensus figure)."""
+    ordered = sorted((r for r in records if r), key=lambda r: int(r.get("step") or 0), reverse=True)
+
+    def value(key: str) -> float | None:
+        return next((float(r[key]) for r in ordered if r.get(key) is not None), None)
+    return value
+
+
+def _rate(totals: Mapping[Any, tuple[float, float]], previous: RunStatus | None, now: float, index: int) -> float | None:
+    """Bytes per second since the previous look, summed over the incarnations seen both times (a restarted worker's
+    counters start again at zero: it counts from its second look)."""
+    if previous is None or now <= previous.time:
+        return None
+    grown = [totals[key][index] - previous.totals[key][index] for key in totals if key in previous.totals]
+    return sum(max(0.0, delta) for delta in grown) / (now - previous.time)
+
+
+def _eta(origin: tuple[float, int] | None, now: float, furthest: int, max_steps: int,
+         slowest: int | None) -> float | None:
+    if origin is None or slowest is None or furthest <= origin[1] or now <= origin[0]:
+        return None
+    steps_per_s = (furthest - origin[1]) / (now - origin[0])
+    return max(0, max_steps - slowest) / steps_per_s
+
+
+def format_status(status: RunStatus) -> str:
+    """One line: steps, ETA, quorum, loss, consensus distance, failed exchanges and bytes/s (``-``: not known yet)."""
+    slowest = "-" if status.slowest_step is None else status.slowest_step
+    return (f"{STATUS_PREFIX}step {status.furthest_step}/{status.max_steps} (slowest {slowest}) "
+            f"| ETA {_duration(status.eta_s)} | quorum {_dash(status.quorum_size)} ({status.live_workers} live) "
+            f"| val loss {_number(status.val_loss, '.4g')} "
+            f"| consensus distance {_number(status.consensus_distance, '.3g')} "
+            f"| failed exchanges {status.failed_exchanges} "
+            f"| in {_bytes_per_s(status.bytes_in_per_s)} out {_bytes_per_s(status.bytes_out_per_s)}")
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    whole = int(round(seconds))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+def _bytes_per_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.1f} {unit}/s" if unit != "B" else f"{value:.0f} B/s"
+        value /= 1000
+    return "-"  # unreachable
+
+
+class LiveStatus:
+    """Shows a run's status: in place on a terminal (``rich``), else one line every ``every_s`` seconds.
+
+    Args:
+        max_steps: the run's step budget.
+        every_s: on a file or pipe, the seconds between two printed lines (> 0).
+        enabled: ``False``: show nothing (the ``quiet`` option).
+        stream: where to write (default ``sys.stdout``); a terminal gets the refreshed line.
+        clock: the time source (``time.monotonic``); tests pass their own.
+        on_status: also called with every computed status (e.g. to log it to TensorBoard).
+    """
+
+    def __init__(self, *, max_steps: int, every_s: float = 5.0, enabled: bool = True, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_status: Callable[[RunStatus], None] | None = None) -> None:
+        if not every_s > 0:
+            raise ValueError(f"every_s must be > 0, got {every_s!r}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
+        self.max_steps, self.every_s, self.enabled = max_steps, float(every_s), enabled
+        self._stream = stream if stream is not None else sys.stdout
+        self._clock, self._on_status = clock, on_status
+        self._last: RunStatus | None = None
+        self._printed_at: float | None = None
+        self._live: Any = None  # rich.live.Live on a terminal, once started
+        self._terminal = enabled and bool(getattr(self._stream, "isatty", lambda: False)())
+
+    @property
+    def last(self) -> RunStatus | None:
+        return self._last
+
+    def update(self, progress: Mapping[Any, Mapping[str, Any]]) -> RunStatus | None:
+        """Look at the workers' records now; show the status if it is due. Returns the status (``None``: disabled)."""
+        if not self.enabled:
+            return None
+        now = self._clock()
+        self._last = status_of(progress, max_steps=self.max_steps, now=now, previous=self._last)
+        if self._on_status is not None:
+            self._on_status(self._last)
+        if self._terminal:
+            self._refresh(format_status(self._last))
+        elif self._printed_at is None or now - self._printed_at >= self.every_s:
+            print(format_status(self._last), file=self._stream, flush=True)
+            self._printed_at = now
+        return self._last
+
+    def _refresh(self, line: str) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        if self._live is None:  # other prints of the launcher go above the line (rich redirects stdout)
+            self._live = Live(Text(line), console=Console(file=self._stream), auto_refresh=False, transient=False,
+                              redirect_stdout=True, redirect_stderr=True)
+            self._live.start()
+        self._live.update(Text(line), refresh=True)
+
+    def close(self) -> None:
+        """Leave the last line on screen and stop refreshing (idempotent)."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None

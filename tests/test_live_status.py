@@ -1,0 +1,75 @@
+"""The launchers' live status line (:mod:`gasloc_lightning.app.live_status`) on stand-in worker records: what it
+computes from the workers' ``progress.json``, the line it prints, and when it prints on a file (a stand-in clock:
+nothing waits)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from gasloc_lightning.app.live_status import STATUS_PREFIX, LiveStatus, format_status, status_of
+
+
+def _record(step: int, *, state: str = "running", pid: int = 1, quorum: int | None = 3, sent: float = 0.0,
+            received: float = 0.0, **extra) -> dict:
+    return {"state": state, "pid": pid, "step": step, "quorum_size": quorum, "bytes_sent": sent,
+            "bytes_received": received, **extra}
+
+
+def test_the_status_reads_steps_quorum_loss_failures_and_rates_from_the_workers_records():
+    first = status_of({0: _record(10, sent=1000), 1: _record(8, sent=500), 2: {}}, max_steps=100, now=0.0)
+    assert (first.furthest_step, first.slowest_step, first.live_workers, first.quorum_size) == (10, 8, 2, 3)
+    assert first.eta_s is None and first.bytes_out_per_s is None, "no rate from a single look"
+    later = status_of({0: _record(30, sent=3000, received=2000, val_loss=3.5, consensus_distance=0.01,
+                                  failed_exchanges=1),
+                       1: _record(28, sent=2500, val_loss=3.9, failed_exchanges=2),
+                       2: _record(0, state="failed")},
+                      max_steps=100, now=10.0, previous=first)
+    assert later.furthest_step == 30 and later.slowest_step == 28 and later.live_workers == 2
+    assert later.val_loss == 3.5 and later.consensus_distance == 0.01, "the furthest worker's figures"
+    assert later.failed_exchanges == 3
+    assert later.bytes_out_per_s == pytest.approx((2000 + 2000) / 10.0)
+    assert later.eta_s == pytest.approx((100 - 28) / 2.0), "20 steps in 10 s: 2 steps/s; the slowest has 72 left"
+
+
+def test_a_restarted_worker_counts_its_bytes_from_its_second_look():
+    first = status_of({0: _record(10, pid=1, sent=5000)}, max_steps=50, now=0.0)
+    restarted = status_of({0: _record(12, pid=2, sent=100)}, max_steps=50, now=1.0, previous=first)
+    assert restarted.bytes_out_per_s == 0.0, "a new incarnation's counter restarts at zero: no negative rate"
+
+
+def test_the_line_carries_step_eta_quorum_and_loss():
+    first = status_of({0: _record(10)}, max_steps=100, now=0.0)
+    status = status_of({0: _record(20, val_loss=3.25, sent=2e6)}, max_steps=100, now=5.0, previous=first)
+    line = format_status(status)
+    assert line.startswith(STATUS_PREFIX)
+    for part in ("step 20/100", "ETA 0:00:40", "quorum 3 (1 live)", "val loss 3.25", "failed exchanges 0"):
+        assert part in line, line
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_on_a_file_one_line_is_printed_every_every_s_and_quiet_prints_nothing():
+    clock, out = _Clock(), io.StringIO()
+    live = LiveStatus(max_steps=100, every_s=10.0, stream=out, clock=clock)
+    for second in range(0, 31):
+        clock.now = float(second)
+        live.update({0: _record(second)})
+    lines = out.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"{STATUS_PREFIX}step {s}/100" for s in (0, 10, 20, 30)]
+    quiet_out = io.StringIO()
+    quiet = LiveStatus(max_steps=100, stream=quiet_out, enabled=False, clock=clock)
+    assert quiet.update({0: _record(5)}) is None and quiet_out.getvalue() == ""
+
+
+@pytest.mark.parametrize("kwargs, message", [({"every_s": 0}, "every_s"), ({"max_steps": 0}, "max_steps")])
+def test_bad_settings_are_refused_naming_them(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LiveStatus(**{"max_steps": 10, **kwargs})
