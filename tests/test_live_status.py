@@ -61,12 +61,14 @@ def test_on_a_file_one_line_is_printed_every_every_s_and_quiet_prints_nothing():
     live = LiveStatus(max_steps=100, every_s=10.0, stream=out, clock=clock)
     for second in range(0, 31):
         clock.now = float(second)
-        live.update({0: _record(second)})
+        live.update({0: _record(second, sent=1000.0 * (second // 5))})  # 1 kB per round of 5 s, in bursts
     lines = out.getvalue().splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"{STATUS_PREFIX}step {s}/100" for s in (0, 10, 20, 30)]
-    quiet_out = io.StringIO()
-    quiet = LiveStatus(max_steps=100, stream=quiet_out, enabled=False, clock=clock)
-    assert quiet.update({0: _record(5)}) is None and quiet_out.getvalue() == ""
+    assert all(line.endswith("out 200 B/s") for line in lines[1:]), "the rate over the last 10 s, not since the last poll"
+    quiet_out, seen = io.StringIO(), []
+    quiet = LiveStatus(max_steps=100, stream=quiet_out, show=False, clock=clock, on_status=seen.append)
+    quiet.update({0: _record(5)})
+    assert quiet_out.getvalue() == "" and [status.furthest_step for status in seen] == [5]
 
 
 @pytest.mark.parametrize("kwargs, message", [({"every_s": 0}, "every_s"), ({"max_steps": 0}, "max_steps")])

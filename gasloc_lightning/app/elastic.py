@@ -55,6 +55,7 @@ from omegaconf import DictConfig, OmegaConf
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
 from gasloc_lightning.app.live_status import LiveStatus
+from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
@@ -332,8 +333,9 @@ class ElasticRun:
         self._secret_given = bool(os.environ.get(SECRET_ENV))
         self._secret = os.environ.get(SECRET_ENV) or new_secret()  # only ever in the workers' environment
         self.interrupted = False
+        self.series = LauncherSeries.for_run(cfg)  # <output_dir>/tensorboard/launcher with logger=tensorboard
         self.live = LiveStatus(max_steps=int(cfg.trainer.max_steps), every_s=self.elastic.status_every_s,
-                               enabled=bool(self.elastic.status))
+                               show=bool(self.elastic.status), on_status=self.series.status)
 
     def live_pids(self) -> list[int]:
         """The processes this launcher started that are running now: workers, held spares and the lighthouse."""
@@ -485,7 +487,7 @@ class ElasticRun:
             self._resume_stalled()
             self._restart_lighthouse_when_due()
             self._report_quorum(step)
-            self.live.update({record.worker: record.progress() for record in self.workers})
+            self.live.update({record.worker: _as_seen(record) for record in self.workers})
             self._reap()
             for event in [e for e in waiting if not self.workers[e.worker].running]:
                 waiting.remove(event)
@@ -541,6 +543,7 @@ class ElasticRun:
 
     def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
         """Apply ``event``; False if it must wait (a restart of a worker that is still leaving)."""
+        self.series.event(f"chaos {event} at step {step}", step)
         if event.action == "lighthouse":
             print(f"chaos {event} at step {step}", flush=True)
             self._kill_lighthouse(event)
@@ -670,6 +673,7 @@ class ElasticRun:
         """Stop every process this launcher started and that still runs, by pid: the workers and held spares first
         (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round)."""
         self.live.close()  # the last status line stays; what follows prints below it
+        self.series.close()
         running = [record for record in self.workers if record.running]
         for record in running:
             record.ended_by = record.ended_by or "stopped"
@@ -715,6 +719,15 @@ class _LighthouseOutage:
     event: ChaosEvent
     since: float
     log_marks: dict[int, int]
+
+
+def _as_seen(record: WorkerRecord) -> dict[str, Any]:
+    """A worker's progress for the live status: one whose process has exited (a kill cannot update its file) is not
+    live, whatever its file last said."""
+    progress = record.progress()
+    if not record.running and progress.get("state") in ("running", "starting"):
+        return {**progress, "state": "exited"}
+    return progress
 
 
 def _log_size(path: Path) -> int:
@@ -793,6 +806,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
     run = OmegaConf.create(plain)
     run.output_dir = output_dir
     run = OmegaConf.create(OmegaConf.to_container(run, resolve=True))
+    place_worker_tensorboard(run, run_dir=cfg.output_dir, worker=worker)  # one TensorBoard for the whole run
     strategy = {key: run.strategy[key] for key in _GASLOC_KEYS if key in run.strategy}
     if elastic.method == "gasloc":
         strategy["_target_"] = "gasloc_lightning.strategies.elastic.ElasticGASLoCStrategy"

@@ -148,42 +148,44 @@ class LiveStatus:
     Args:
         max_steps: the run's step budget.
         every_s: on a file or pipe, the seconds between two printed lines (> 0).
-        enabled: ``False``: show nothing (the ``quiet`` option).
+        show: ``False``: print nothing (the quiet option); the status is still computed for ``on_status``.
         stream: where to write (default ``sys.stdout``); a terminal gets the refreshed line.
         clock: the time source (``time.monotonic``); tests pass their own.
         on_status: also called with every computed status (e.g. to log it to TensorBoard).
     """
 
-    def __init__(self, *, max_steps: int, every_s: float = 5.0, enabled: bool = True, stream: TextIO | None = None,
+    def __init__(self, *, max_steps: int, every_s: float = 5.0, show: bool = True, stream: TextIO | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  on_status: Callable[[RunStatus], None] | None = None) -> None:
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0, got {every_s!r}")
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
-        self.max_steps, self.every_s, self.enabled = max_steps, float(every_s), enabled
+        self.max_steps, self.every_s, self.show = max_steps, float(every_s), show
         self._stream = stream if stream is not None else sys.stdout
         self._clock, self._on_status = clock, on_status
         self._last: RunStatus | None = None
+        self._window: RunStatus | None = None  # the look the rates are measured from
         self._printed_at: float | None = None
         self._live: Any = None  # rich.live.Live on a terminal, once started
-        self._terminal = enabled and bool(getattr(self._stream, "isatty", lambda: False)())
+        self._terminal = show and bool(getattr(self._stream, "isatty", lambda: False)())
 
     @property
     def last(self) -> RunStatus | None:
         return self._last
 
-    def update(self, progress: Mapping[Any, Mapping[str, Any]]) -> RunStatus | None:
-        """Look at the workers' records now; show the status if it is due. Returns the status (``None``: disabled)."""
-        if not self.enabled:
-            return None
+    def update(self, progress: Mapping[Any, Mapping[str, Any]]) -> RunStatus:
+        """Look at the workers' records now; show the status if it is due. Returns the status."""
         now = self._clock()
-        self._last = status_of(progress, max_steps=self.max_steps, now=now, previous=self._last)
+        # Rates over the last window of every_s (a round's bytes arrive in bursts: poll-to-poll rates are mostly 0)
+        self._last = status_of(progress, max_steps=self.max_steps, now=now, previous=self._window)
+        if self._window is None or now - self._window.time >= self.every_s:
+            self._window = self._last
         if self._on_status is not None:
             self._on_status(self._last)
-        if self._terminal:
+        if self.show and self._terminal:
             self._refresh(format_status(self._last))
-        elif self._printed_at is None or now - self._printed_at >= self.every_s:
+        elif self.show and (self._printed_at is None or now - self._printed_at >= self.every_s):
             print(format_status(self._last), file=self._stream, flush=True)
             self._printed_at = now
         return self._last
