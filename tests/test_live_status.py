@@ -65,6 +65,13 @@ def test_on_a_file_one_line_is_printed_every_every_s_and_quiet_prints_nothing():
     lines = out.getvalue().splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"{STATUS_PREFIX}step {s}/100" for s in (0, 10, 20, 30)]
     assert all(line.endswith("out 200 B/s") for line in lines[1:]), "the rate over the last 10 s, not since the last poll"
+    clock.now = 31.0
+    live.update({0: _record(100, state="done", val_loss=2.5)})
+    live.close()
+    live.close()
+    final = out.getvalue().splitlines()[len(lines):]
+    assert len(final) == 1 and "step 100/100" in final[0] and "ETA 0:00:00" in final[0] and "val loss 2.5" in final[0]
+    assert "quorum 3 (0 live)" in final[0], "the end's line keeps the last quorum"
     quiet_out, seen = io.StringIO(), []
     quiet = LiveStatus(max_steps=100, stream=quiet_out, show=False, clock=clock, on_status=seen.append)
     quiet.update({0: _record(5)})

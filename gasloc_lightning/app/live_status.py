@@ -72,7 +72,8 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
     slowest = min(live_steps, default=None)
     return RunStatus(
         time=now, max_steps=max_steps, furthest_step=furthest, slowest_step=slowest, live_workers=len(live),
-        quorum_size=max((int(r["quorum_size"]) for r in live.values() if r.get("quorum_size")), default=None),
+        quorum_size=max((int(r["quorum_size"]) for r in (live or progress).values() if r.get("quorum_size")),
+                        default=None),  # with no live worker: the last quorum the finished ones saw
         val_loss=latest("val_loss"), consensus_distance=latest("consensus_distance"),
         failed_exchanges=sum(int(r.get("failed_exchanges") or 0) for r in progress.values()),
         bytes_out_per_s=_rate(totals, previous, now, 0), bytes_in_per_s=_rate(totals, previous, now, 1),
@@ -100,6 +101,8 @@ def _rate(totals: Mapping[Any, tuple[float, float]], previous: RunStatus | None,
 
 def _eta(origin: tuple[float, int] | None, now: float, furthest: int, max_steps: int,
          slowest: int | None) -> float | None:
+    if slowest is None and furthest >= max_steps:
+        return 0.0  # every worker has finished
     if origin is None or slowest is None or furthest <= origin[1] or now <= origin[0]:
         return None
     steps_per_s = (furthest - origin[1]) / (now - origin[0])
@@ -166,6 +169,7 @@ class LiveStatus:
         self._clock, self._on_status = clock, on_status
         self._last: RunStatus | None = None
         self._window: RunStatus | None = None  # the look the rates are measured from
+        self._printed: RunStatus | None = None  # the last status printed on a file
         self._printed_at: float | None = None
         self._live: Any = None  # rich.live.Live on a terminal, once started
         self._terminal = show and bool(getattr(self._stream, "isatty", lambda: False)())
@@ -186,9 +190,12 @@ class LiveStatus:
         if self.show and self._terminal:
             self._refresh(format_status(self._last))
         elif self.show and (self._printed_at is None or now - self._printed_at >= self.every_s):
-            print(format_status(self._last), file=self._stream, flush=True)
-            self._printed_at = now
+            self._print(now)
         return self._last
+
+    def _print(self, now: float) -> None:
+        print(format_status(self._last), file=self._stream, flush=True)
+        self._printed_at, self._printed = now, self._last
 
     def _refresh(self, line: str) -> None:
         from rich.console import Console
@@ -202,7 +209,10 @@ class LiveStatus:
         self._live.update(Text(line), refresh=True)
 
     def close(self) -> None:
-        """Leave the last line on screen and stop refreshing (idempotent)."""
+        """Leave the last line on screen and stop refreshing; on a file, print the last status if it was not yet
+        (the run's end: every worker's final figures). Idempotent."""
+        if self.show and not self._terminal and self._last is not None and self._printed is not self._last:
+            self._print(self._clock())
         if self._live is not None:
             self._live.stop()
             self._live = None
