@@ -60,6 +60,7 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
     live = {w: r for w, r in progress.items() if r.get("state") in ("running", "starting")}
+    finished = {w: r for w, r in progress.items() if r.get("state") in ("done", "left")}
     steps = [int(r.get("step") or 0) for r in progress.values() if r]
     live_steps = [int(r.get("step") or 0) for r in live.values()]
     furthest = max(steps, default=0)
@@ -72,7 +73,7 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
     slowest = min(live_steps, default=None)
     return RunStatus(
         time=now, max_steps=max_steps, furthest_step=furthest, slowest_step=slowest, live_workers=len(live),
-        quorum_size=max((int(r["quorum_size"]) for r in (live or progress).values() if r.get("quorum_size")),
+        quorum_size=max((int(r["quorum_size"]) for r in (live or finished).values() if r.get("quorum_size")),
                         default=None),  # with no live worker: the last quorum the finished ones saw
         val_loss=latest("val_loss"), consensus_distance=latest("consensus_distance"),
         failed_exchanges=sum(int(r.get("failed_exchanges") or 0) for r in progress.values()),
