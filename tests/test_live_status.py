@@ -82,3 +82,32 @@ def test_on_a_file_one_line_is_printed_every_every_s_and_quiet_prints_nothing():
 def test_bad_settings_are_refused_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LiveStatus(**{"max_steps": 10, **kwargs})
+
+
+def test_the_launcher_series_and_the_workers_loggers_share_one_tensorboard(tmp_path):
+    """logger=tensorboard: workers log to <run>/tensorboard/worker_<W>; the launcher's quorum and events to
+    <run>/tensorboard/launcher, readable by TensorBoard's EventAccumulator."""
+    from omegaconf import OmegaConf
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard
+
+    worker_cfg = OmegaConf.create({"logger": {"csv": {"_target_": "lightning.pytorch.loggers.CSVLogger"},
+                                              "tensorboard": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger",
+                                                              "save_dir": "elsewhere", "name": "tb", "version": ""}}})
+    place_worker_tensorboard(worker_cfg, run_dir=tmp_path, worker=3)
+    node = worker_cfg.logger.tensorboard
+    assert (node.save_dir, node.name, node.version) == (str(tmp_path), "tensorboard", "worker_3")
+    assert "save_dir" not in worker_cfg.logger.csv
+
+    series = LauncherSeries.for_run(OmegaConf.create({"output_dir": str(tmp_path), "logger": worker_cfg.logger}))
+    first = status_of({0: _record(10, quorum=4)}, max_steps=100, now=0.0)
+    series.status(first)
+    series.status(status_of({0: _record(20, quorum=3)}, max_steps=100, now=1.0, previous=first))
+    series.event("chaos kill:2@15 at step 15", 15)
+    series.close()
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard" / "launcher"))
+    accumulator.Reload()
+    assert [(e.step, e.value) for e in accumulator.Scalars("launcher/quorum_size")] == [(10, 4.0), (20, 3.0)]
+    assert [e.step for e in accumulator.Scalars("launcher/events")] == [15]
+    assert LauncherSeries.for_run(OmegaConf.create({"output_dir": str(tmp_path), "logger": {}})).log_dir is None

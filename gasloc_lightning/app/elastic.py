@@ -325,6 +325,7 @@ class ElasticRun:
         self._outage: _LighthouseOutage | None = None  # a lighthouse chaos event in progress
         self.workers: list[WorkerRecord] = []
         self._last_quorum: int | None = None
+        self.quorum_history: list[dict[str, Any]] = []  # each change of the quorum size: time_s, step, quorum_size
         self.started_pids: list[int] = []  # every process this launcher started, for the record and for tests
         self._first_finish: float | None = None  # when the first worker finished the run
         self._started = time.monotonic()
@@ -629,6 +630,8 @@ class ElasticRun:
         if size != self._last_quorum:
             print(f"step {step}: quorum size {size} (live workers {sum(r.running for r in self.workers)})", flush=True)
             self._last_quorum = size
+            self.quorum_history.append({"time_s": round(time.monotonic() - self._started, 3), "step": step,
+                                        "quorum_size": size})
 
     def _stop_latecomers(self) -> None:
         """Once a worker has finished the run is over: one still waiting to join would wait for its quorum_timeout,
@@ -707,6 +710,7 @@ class ElasticRun:
             })
         return {"lighthouse": self.address, "bind": self.endpoint.bind, "chaos": [str(e) for e in self.events],
                 "interrupted": self.interrupted, "workers": rows, "pids": self.started_pids,
+                "quorum_history": self.quorum_history,
                 "models": [{"checksum": g.checksum, "workers": list(g.workers)} for g in model_groups(rows)],
                 "lighthouse_pid": None if self.lighthouse is None else self.lighthouse.pid}
 
