@@ -8,7 +8,7 @@ import io
 
 import pytest
 
-from gasloc_lightning.app.live_status import STATUS_PREFIX, LiveStatus, format_status, status_of
+from gasloc_lightning.app.live_status import STATUS_PREFIX, LiveStatus, ScriptProgress, format_status, status_of
 
 
 def _record(step: int, *, state: str = "running", pid: int = 1, quorum: int | None = 3, sent: float = 0.0,
@@ -111,3 +111,14 @@ def test_the_launcher_series_and_the_workers_loggers_share_one_tensorboard(tmp_p
     assert [(e.step, e.value) for e in accumulator.Scalars("launcher/quorum_size")] == [(10, 4.0), (20, 3.0)]
     assert [e.step for e in accumulator.Scalars("launcher/events")] == [15]
     assert LauncherSeries.for_run(OmegaConf.create({"output_dir": str(tmp_path), "logger": {}})).log_dir is None
+
+
+def test_a_long_script_says_which_run_of_how_many_its_eta_and_what_is_recorded():
+    clock = _Clock()
+    progress = ScriptProgress(total=4, recorded=1, clock=clock)  # one run kept from an earlier session
+    assert progress.start("a") == "run 2 of 4 (1 recorded): a | ETA -"
+    clock.now = 60.0
+    progress.done()
+    assert progress.start("b") == "run 3 of 4 (2 recorded): b | ETA 0:02:00", "2 runs left at 60 s each"
+    with pytest.raises(ValueError, match="recorded"):
+        ScriptProgress(total=2, recorded=3)

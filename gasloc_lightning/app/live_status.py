@@ -217,3 +217,38 @@ class LiveStatus:
         if self._live is not None:
             self._live.stop()
             self._live = None
+
+
+class ScriptProgress:
+    """Progress of a long benchmark script made of runs: which run of how many, its ETA, what is already recorded.
+
+    The ETA is the mean duration of the runs this session finished times the runs left (runs kept from an
+    earlier session's record cost nothing and are not timed).
+
+    Args:
+        total: the runs the script will have recorded at its end (kept ones included), >= 0.
+        recorded: how many of them an earlier session already recorded.
+        clock: the time source (``time.monotonic``); tests pass their own.
+    """
+
+    def __init__(self, *, total: int, recorded: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        if total < 0 or not 0 <= recorded <= total:
+            raise ValueError(f"need 0 <= recorded <= total, got recorded={recorded!r} total={total!r}")
+        self.total, self.recorded, self._clock = total, recorded, clock
+        self._durations: list[float] = []
+        self._started: float | None = None
+
+    def start(self, label: str) -> str:
+        """The line that announces the next run (``label``: what it is); times it until :meth:`done`."""
+        self._started = self._clock()
+        left = self.total - self.recorded
+        eta = None if not self._durations else left * sum(self._durations) / len(self._durations)
+        return (f"run {self.recorded + 1} of {self.total} ({self.recorded} recorded): {label} "
+                f"| ETA {_duration(eta)}")
+
+    def done(self) -> None:
+        """The run announced last is recorded."""
+        if self._started is not None:
+            self._durations.append(self._clock() - self._started)
+            self._started = None
+        self.recorded += 1
