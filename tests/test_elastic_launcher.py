@@ -124,6 +124,7 @@ def _compose(overrides: list[str]):
         (["elastic.max_workers=2"], r"elastic.max_workers=2 is below elastic.workers=3: the surplus workers would be "
                                     r"refused at their first quorum"),
         (["elastic.leave_grace_s=-1"], r"elastic.leave_grace_s must be >= 0"),
+        (["elastic.status_every_s=0"], r"elastic.status_every_s must be > 0"),
         (["elastic.bind=0.0.0.0"], r"elastic.bind='0.0.0.0', elastic.advertise=None: advertise is required"),
         (['elastic.bind="::"'], r"elastic.bind='::', elastic.advertise=None: advertise is required"),
         (["elastic.advertise=0.0.0.0"], r"elastic.advertise='0.0.0.0': .*not the wildcard"),

@@ -335,7 +335,7 @@ class ElasticRun:
         self._secret = os.environ.get(SECRET_ENV) or new_secret()  # only ever in the workers' environment
         self.interrupted = False
         self.series = LauncherSeries.for_run(cfg)  # <output_dir>/tensorboard/launcher with logger=tensorboard
-        self.live = LiveStatus(max_steps=int(cfg.trainer.max_steps), every_s=self.elastic.status_every_s,
+        self.live = LiveStatus(max_steps=max(1, int(cfg.trainer.max_steps)), every_s=self.elastic.status_every_s,
                                show=bool(self.elastic.status), on_status=self.series.status)
 
     def live_pids(self) -> list[int]:
@@ -875,6 +875,8 @@ def check_elastic(cfg: DictConfig) -> None:
         raise ValueError(f"elastic.method must be 'gasloc' or 'diloco', got {elastic.method!r}")
     if elastic.workers < 1:
         raise ValueError(f"elastic.workers must be >= 1, got {elastic.workers}")
+    if not elastic.status_every_s > 0:
+        raise ValueError(f"elastic.status_every_s must be > 0, got {elastic.status_every_s}")
     if elastic.max_workers is not None and elastic.max_workers < elastic.workers:
         raise ValueError(f"elastic.max_workers={elastic.max_workers} is below elastic.workers={elastic.workers}: the "
                          "surplus workers would be refused at their first quorum")

@@ -121,7 +121,8 @@ class ElasticProgress(Callback):
 def _live_fields(trainer: pl.Trainer) -> dict[str, Any]:
     """Traffic counters and the last consensus figures (None until measured)."""
     strategy, val_loss = trainer.strategy, trainer.callback_metrics.get("val/loss")
-    return {"bytes_sent": getattr(strategy, "bytes_sent", None), "bytes_received": getattr(strategy, "bytes_received", None),
+    return {"bytes_sent": getattr(strategy, "bytes_sent", None),
+            "bytes_received": getattr(strategy, "bytes_received", None),
             "consensus_distance": getattr(strategy, "consensus_distance", None),
             "val_loss": None if val_loss is None else float(val_loss)}
 
