@@ -122,3 +122,20 @@ def test_a_long_script_says_which_run_of_how_many_its_eta_and_what_is_recorded()
     assert progress.start("b") == "run 3 of 4 (2 recorded): b | ETA 0:02:00", "2 runs left at 60 s each"
     with pytest.raises(ValueError, match="recorded"):
         ScriptProgress(total=2, recorded=3)
+
+
+def test_on_a_terminal_the_line_is_redrawn_in_place_and_stays_after_close():
+    pytest.importorskip("rich")
+    import os
+
+    master, follower = os.openpty()
+    with os.fdopen(follower, "w") as terminal:
+        live = LiveStatus(max_steps=10, stream=terminal, every_s=1000.0, clock=_Clock())
+        for step in (1, 2):
+            live.update({0: _record(step)})
+        live.close()
+        terminal.flush()
+        drawn = os.read(master, 1 << 16).decode()
+    os.close(master)
+    assert "status: step 1/10" in drawn and "status: step 2/10" in drawn, "every look is drawn (every_s is for files)"
+    assert "\x1b[1A" in drawn or "\r" in drawn, "the line is redrawn in place, not appended"

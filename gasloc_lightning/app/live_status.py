@@ -146,6 +146,12 @@ def _bytes_per_s(value: float | None) -> str:
     return "-"  # unreachable
 
 
+def _has_rich() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("rich") is not None
+
+
 class LiveStatus:
     """Shows a run's status: in place on a terminal (``rich``), else one line every ``every_s`` seconds.
 
@@ -173,7 +179,8 @@ class LiveStatus:
         self._printed: RunStatus | None = None  # the last status printed on a file
         self._printed_at: float | None = None
         self._live: Any = None  # rich.live.Live on a terminal, once started
-        self._terminal = show and bool(getattr(self._stream, "isatty", lambda: False)())
+        # rich draws the refreshed line (Lightning's progress bar uses it too); without it, a terminal gets lines
+        self._terminal = show and bool(getattr(self._stream, "isatty", lambda: False)()) and _has_rich()
 
     @property
     def last(self) -> RunStatus | None:
