@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {method}: kept from {record}", flush=True)
                 continue
             output_dir = (args.out / f"{name}_{method}").resolve()
-            print(progress.start(f"schedule {name}, {method}; recorded in {record}"), flush=True)
+            print(progress.start(f"schedule {name}, {method} (recorded in {record} when it ends)"), flush=True)
             if method == "static":
                 result = run_static(events, args, output_dir)
             else:

@@ -116,10 +116,10 @@ def test_the_launcher_series_and_the_workers_loggers_share_one_tensorboard(tmp_p
 def test_a_long_script_says_which_run_of_how_many_its_eta_and_what_is_recorded():
     clock = _Clock()
     progress = ScriptProgress(total=4, recorded=1, clock=clock)  # one run kept from an earlier session
-    assert progress.start("a") == "run 2 of 4 (1 recorded): a | ETA -"
+    assert progress.start("a") == "run 2 of 4 (1 done): a | ETA -"
     clock.now = 60.0
     progress.done()
-    assert progress.start("b") == "run 3 of 4 (2 recorded): b | ETA 0:02:00", "2 runs left at 60 s each"
+    assert progress.start("b") == "run 3 of 4 (2 done): b | ETA 0:02:00", "2 runs left at 60 s each"
     with pytest.raises(ValueError, match="recorded"):
         ScriptProgress(total=2, recorded=3)
 

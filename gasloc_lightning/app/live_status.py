@@ -250,7 +250,7 @@ class ScriptProgress:
         self._started = self._clock()
         left = self.total - self.recorded
         eta = None if not self._durations else left * sum(self._durations) / len(self._durations)
-        return (f"run {self.recorded + 1} of {self.total} ({self.recorded} recorded): {label} "
+        return (f"run {self.recorded + 1} of {self.total} ({self.recorded} done): {label} "
                 f"| ETA {_duration(eta)}")
 
     def done(self) -> None:
