@@ -91,7 +91,8 @@ def _latest(records: Any) -> Callable[[str], float | None]:
     return value
 
 
-def _rate(totals: Mapping[Any, tuple[float, float]], previous: RunStatus | None, now: float, index: int) -> float | None:
+def _rate(totals: Mapping[Any, tuple[float, float]], previous: RunStatus | None, now: float,
+          index: int) -> float | None:
     """Bytes per second since the previous look, summed over the incarnations seen both times (a restarted worker's
     counters start again at zero: it counts from its second look)."""
     if previous is None or now <= previous.time:
