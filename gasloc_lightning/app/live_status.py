@@ -47,7 +47,7 @@ class RunStatus:
 
 
 def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now: float,
-              previous: RunStatus | None = None) -> RunStatus:
+              previous: RunStatus | None = None, origin: tuple[float, int] | None = None) -> RunStatus:
     """The run's status from each worker's last ``progress.json`` record.
 
     Args:
@@ -56,6 +56,8 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
         max_steps: the run's step budget (``trainer.max_steps``).
         now: the time of this look (seconds, the same clock as ``previous.time``).
         previous: the last status, for the step rate (ETA) and the byte rates; ``None`` at the first look.
+        origin: (time, furthest step) the step rate is measured from (default: ``previous``'s, else this look's
+            once a step is known).
     """
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
@@ -67,7 +69,7 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
     latest = _latest(progress.values())
     totals = {(w, r.get("pid")): (float(r.get("bytes_sent") or 0.0), float(r.get("bytes_received") or 0.0))
               for w, r in live.items()}
-    origin = previous.origin if previous is not None and previous.origin is not None else None
+    origin = origin or (previous.origin if previous is not None else None)
     if origin is None and furthest > 0:
         origin = (now, furthest)
     slowest = min(live_steps, default=None)
@@ -176,7 +178,8 @@ class LiveStatus:
         self._stream = stream if stream is not None else sys.stdout
         self._clock, self._on_status = clock, on_status
         self._last: RunStatus | None = None
-        self._window: RunStatus | None = None  # the look the rates are measured from
+        self._window: RunStatus | None = None  # the latest look that started a window of every_s
+        self._older: RunStatus | None = None  # the one before: the rates are measured from it
         self._printed: RunStatus | None = None  # the last status printed on a file
         self._printed_at: float | None = None
         self._live: Any = None  # rich.live.Live on a terminal, once started
@@ -190,10 +193,13 @@ class LiveStatus:
     def update(self, progress: Mapping[Any, Mapping[str, Any]]) -> RunStatus:
         """Look at the workers' records now; show the status if it is due. Returns the status."""
         now = self._clock()
-        # Rates over the last window of every_s (a round's bytes arrive in bursts: poll-to-poll rates are mostly 0)
-        self._last = status_of(progress, max_steps=self.max_steps, now=now, previous=self._window)
+        # Rates over the last every_s to 2 x every_s (a round's bytes arrive in bursts: poll-to-poll rates are
+        # mostly 0, and a window just restarted would flicker on a terminal)
+        since = self._older or self._window
+        self._last = status_of(progress, max_steps=self.max_steps, now=now, previous=since,
+                               origin=None if self._last is None else self._last.origin)
         if self._window is None or now - self._window.time >= self.every_s:
-            self._window = self._last
+            self._older, self._window = self._window, self._last
         if self._on_status is not None:
             self._on_status(self._last)
         if self.show and self._terminal:
