@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from gasloc_lightning.app.live_status import ScriptProgress
 from gasloc_lightning.sim import GossipRounds, WorkerClocks
 from gasloc_lightning.topology import build_topology
 from sim_runs import describe, run_sim, seeded, time_to_reach, tuned_on
@@ -242,6 +243,7 @@ def networks(workers: int, rounds: int, inner_steps: int) -> dict:
     DiLoCo runs ``rounds`` rounds; GASLoC gets 1.5x its steps, validating every round.
     """
     result: dict = {"workers": workers, "rounds": rounds, "inner_steps": inner_steps, "networks": {}}
+    progress = ScriptProgress(total=2 * 3)  # 2 networks x 3 methods (recorded together at the end)
     with tempfile.TemporaryDirectory() as tmp:
         for network in ("two_clusters", "cloud_mix"):
             base = [f"sim.workers={workers}", f"inner_steps={inner_steps}", f"trainer.val_check_interval={inner_steps}",
@@ -258,7 +260,9 @@ def networks(workers: int, rounds: int, inner_steps: int) -> dict:
             }
             runs = {}
             for name, extra in methods.items():
+                print(progress.start(f"{network} {name}"), flush=True)
                 runs[name] = run_sim(base + extra, Path(tmp) / f"{network}_{name}")
+                progress.done()
                 print(network, name, runs[name]["val_loss"], runs[name]["trace"][-1], flush=True)
             target = runs["diloco"]["val_loss"]
             reference = time_to_reach(runs["diloco"]["trace"], target)

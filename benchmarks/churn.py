@@ -51,6 +51,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gasloc_lightning.app.config import config_dir
 from gasloc_lightning.app.elastic import free_port, run_elastic
+from gasloc_lightning.app.live_status import ScriptProgress
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import train
 
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     if record.is_file() and not args.fresh:  # go on where an interrupted run stopped
         results = json.loads(record.read_text())["results"]
     events_of = {name: schedule(name, args.workers, args.steps, args.inner_steps) for name in args.schedules}
+    kept = sum(method in results.get(name, {}) for name in args.schedules for method in args.methods)
+    progress = ScriptProgress(total=len(args.schedules) * len(args.methods), recorded=kept)
     for name in args.schedules:
         events = events_of[name]
         print(f"schedule {name}: {[f'{a}:{w}@{s}' for a, w, s in events]}", flush=True)
@@ -260,11 +263,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {method}: kept from {record}", flush=True)
                 continue
             output_dir = (args.out / f"{name}_{method}").resolve()
+            print(progress.start(f"schedule {name}, {method} (recorded in {record} when it ends)"), flush=True)
             if method == "static":
                 result = run_static(events, args, output_dir)
             else:
                 result = run_elastic_method(method, events, args, output_dir)
             results.setdefault(name, {})[method] = result
+            progress.done()
             print(f"  {method}: val loss {result['final_val_loss']:.4f}, wall {result['wall_s']:.0f} s, "
                   f"goodput {result['kept'] / result['computed']:.3f}", flush=True)
             args.out.mkdir(parents=True, exist_ok=True)

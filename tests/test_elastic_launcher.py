@@ -124,6 +124,7 @@ def _compose(overrides: list[str]):
         (["elastic.max_workers=2"], r"elastic.max_workers=2 is below elastic.workers=3: the surplus workers would be "
                                     r"refused at their first quorum"),
         (["elastic.leave_grace_s=-1"], r"elastic.leave_grace_s must be >= 0"),
+        (["elastic.status_every_s=0"], r"elastic.status_every_s must be > 0"),
         (["elastic.bind=0.0.0.0"], r"elastic.bind='0.0.0.0', elastic.advertise=None: advertise is required"),
         (['elastic.bind="::"'], r"elastic.bind='::', elastic.advertise=None: advertise is required"),
         (["elastic.advertise=0.0.0.0"], r"elastic.advertise='0.0.0.0': .*not the wildcard"),
@@ -182,8 +183,8 @@ def test_nothing_listens_beyond_loopback_during_a_run(tmp_path, cache_dir, capfd
                 continue
 
     steps = 47
-    summary = _run([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"], tmp_path, cache_dir,
-                   on_poll=sample)
+    summary = _run([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "logger=tensorboard"],
+                   tmp_path, cache_dir, on_poll=sample)
     lighthouse = summary["lighthouse_pid"]
     workers = [pid for pid in listeners if pid != lighthouse]
     assert listeners.get(lighthouse), "the lighthouse was never seen listening: nothing was sampled"
@@ -206,6 +207,32 @@ def test_nothing_listens_beyond_loopback_during_a_run(tmp_path, cache_dir, capfd
     _assert_nothing_left(summary["pids"], tmp_path)
     exposed = {pid: non_loopback(sorted(sockets)) for pid, sockets in listeners.items()}
     assert not any(exposed.values()), f"listening beyond loopback (pid: [(address, port)]): {exposed}"
+    _assert_live_status(output.out, steps)
+    _assert_one_tensorboard(tmp_path, workers=3)
+
+
+def _assert_live_status(out: str, steps: int) -> None:
+    """Captured output is not a terminal: status lines are printed, the last one at the run's end with its loss."""
+    lines = [line for line in out.splitlines() if line.startswith("status: ")]
+    assert lines, f"no live status line in the output:\n{out}"
+    last = lines[-1]
+    for part in (f"step {steps}/{steps}", "ETA 0:00:00", "quorum 3 ", "val loss "):
+        assert part in last, f"{part!r} not in the last status line {last!r}"
+    assert "val loss -" not in last, last
+
+
+def _assert_one_tensorboard(run_dir: Path, workers: int) -> None:
+    """logger=tensorboard: one run folder, one TensorBoard run per worker plus the launcher's quorum series."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(name: str) -> list[str]:
+        accumulator = EventAccumulator(str(run_dir / "tensorboard" / name))
+        accumulator.Reload()
+        return accumulator.Tags()["scalars"]
+
+    for worker in range(workers):
+        assert "train/loss" in scalars(f"worker_{worker}"), f"worker {worker} has no train/loss series"
+    assert "launcher/quorum_size" in scalars("launcher")
 
 
 # ------------------------------------------------------------------ a clean leave

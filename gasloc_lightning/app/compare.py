@@ -9,6 +9,9 @@ same configuration, and writes into ``--out``:
   byte-unigram entropy of the validation split (the loss of the best context-free model);
 - ``val_loss_vs_tokens.png``, ``val_loss_vs_bytes.png`` and, when the runs log a
   ``sim_time`` metric, ``val_loss_vs_sim_time.png`` (matplotlib, drawn without pyplot: no backend is changed).
+
+Given one elastic run folder (``gasloc-elastic``, ``gasloc-netlab``), it compares that run's workers instead
+(:mod:`gasloc_lightning.app.compare_elastic`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gasloc_lightning.app.compare_elastic import compare_elastic, is_elastic_run
 from gasloc_lightning.app.summary import SUMMARY_FILE, load_summary
 
 log = logging.getLogger(__name__)
@@ -311,6 +315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``gasloc-compare``."""
     args = _parser().parse_args(argv)
     out = args.out or (args.run_dirs[0] if len(args.run_dirs) == 1 else "comparison")
+    if len(args.run_dirs) == 1 and is_elastic_run(args.run_dirs[0]):  # its workers side by side
+        table, table_path, plots = compare_elastic(args.run_dirs[0], out, plots=not args.no_plots)
+        print(f"{table}\n\ntable: {table_path}")
+        for path in plots:
+            print(f"plot:  {path}")
+        return 0
     try:
         result = compare(args.run_dirs, out, plots=not args.no_plots)
     except (FileNotFoundError, ValueError) as error:  # DuplicateRunError is a ValueError

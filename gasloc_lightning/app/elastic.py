@@ -54,6 +54,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
+from gasloc_lightning.app.live_status import LiveStatus
+from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
@@ -107,6 +109,8 @@ class ElasticSchema:
     timeout_s: float = 1800.0
     lighthouse_timeout: float = 30.0
     lighthouse_wait: float = 60.0
+    status: bool = True
+    status_every_s: float = 5.0
 
 
 @dataclass
@@ -323,6 +327,7 @@ class ElasticRun:
         self._outage: _LighthouseOutage | None = None  # a lighthouse chaos event in progress
         self.workers: list[WorkerRecord] = []
         self._last_quorum: int | None = None
+        self.quorum_history: list[dict[str, Any]] = []  # each change of the quorum size: time_s, step, quorum_size
         self.started_pids: list[int] = []  # every process this launcher started, for the record and for tests
         self._first_finish: float | None = None  # when the first worker finished the run
         self._started = time.monotonic()
@@ -331,6 +336,9 @@ class ElasticRun:
         self._secret_given = bool(os.environ.get(SECRET_ENV))
         self._secret = os.environ.get(SECRET_ENV) or new_secret()  # only ever in the workers' environment
         self.interrupted = False
+        self.series = LauncherSeries.for_run(cfg)  # <output_dir>/tensorboard/launcher with logger=tensorboard
+        self.live = LiveStatus(max_steps=max(1, int(cfg.trainer.max_steps)), every_s=self.elastic.status_every_s,
+                               show=bool(self.elastic.status), on_status=self.series.status)
 
     def live_pids(self) -> list[int]:
         """The processes this launcher started that are running now: workers, held spares and the lighthouse."""
@@ -482,6 +490,7 @@ class ElasticRun:
             self._resume_stalled()
             self._restart_lighthouse_when_due()
             self._report_quorum(step)
+            self.live.update({record.worker: _as_seen(record) for record in self.workers})
             self._reap()
             for event in [e for e in waiting if not self.workers[e.worker].running]:
                 waiting.remove(event)
@@ -537,6 +546,7 @@ class ElasticRun:
 
     def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
         """Apply ``event``; False if it must wait (a restart of a worker that is still leaving)."""
+        self.series.event(f"chaos {event} at step {step}", step)
         if event.action == "lighthouse":
             print(f"chaos {event} at step {step}", flush=True)
             self._kill_lighthouse(event)
@@ -622,6 +632,8 @@ class ElasticRun:
         if size != self._last_quorum:
             print(f"step {step}: quorum size {size} (live workers {sum(r.running for r in self.workers)})", flush=True)
             self._last_quorum = size
+            self.quorum_history.append({"time_s": round(time.monotonic() - self._started, 3), "step": step,
+                                        "quorum_size": size})
 
     def _stop_latecomers(self) -> None:
         """Once a worker has finished the run is over: one still waiting to join would wait for its quorum_timeout,
@@ -665,6 +677,8 @@ class ElasticRun:
     def stop(self) -> None:
         """Stop every process this launcher started and that still runs, by pid: the workers and held spares first
         (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round)."""
+        self.live.close()  # the last status line stays; what follows prints below it
+        self.series.close()
         running = [record for record in self.workers if record.running]
         for record in running:
             record.ended_by = record.ended_by or "stopped"
@@ -698,6 +712,7 @@ class ElasticRun:
             })
         return {"lighthouse": self.address, "bind": self.endpoint.bind, "chaos": [str(e) for e in self.events],
                 "interrupted": self.interrupted, "workers": rows, "pids": self.started_pids,
+                "quorum_history": self.quorum_history,
                 "models": [{"checksum": g.checksum, "workers": list(g.workers)} for g in model_groups(rows)],
                 "lighthouse_pid": None if self.lighthouse is None else self.lighthouse.pid}
 
@@ -710,6 +725,15 @@ class _LighthouseOutage:
     event: ChaosEvent
     since: float
     log_marks: dict[int, int]
+
+
+def _as_seen(record: WorkerRecord) -> dict[str, Any]:
+    """A worker's progress for the live status: one whose process has exited (a kill cannot update its file) is not
+    live, whatever its file last said."""
+    progress = record.progress()
+    if not record.running and progress.get("state") in ("running", "starting"):
+        return {**progress, "state": "exited"}
+    return progress
 
 
 def _log_size(path: Path) -> int:
@@ -788,6 +812,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
     run = OmegaConf.create(plain)
     run.output_dir = output_dir
     run = OmegaConf.create(OmegaConf.to_container(run, resolve=True))
+    place_worker_tensorboard(run, run_dir=cfg.output_dir, worker=worker)  # one TensorBoard for the whole run
     strategy = {key: run.strategy[key] for key in _GASLOC_KEYS if key in run.strategy}
     if elastic.method == "gasloc":
         strategy["_target_"] = "gasloc_lightning.strategies.elastic.ElasticGASLoCStrategy"
@@ -853,6 +878,8 @@ def check_elastic(cfg: DictConfig) -> None:
         raise ValueError(f"elastic.method must be 'gasloc' or 'diloco', got {elastic.method!r}")
     if elastic.workers < 1:
         raise ValueError(f"elastic.workers must be >= 1, got {elastic.workers}")
+    if not elastic.status_every_s > 0:
+        raise ValueError(f"elastic.status_every_s must be > 0, got {elastic.status_every_s}")
     if elastic.max_workers is not None and elastic.max_workers < elastic.workers:
         raise ValueError(f"elastic.max_workers={elastic.max_workers} is below elastic.workers={elastic.workers}: the "
                          "surplus workers would be refused at their first quorum")

@@ -103,6 +103,7 @@ class ElasticProgress(Callback):
             "refused_members": strategy.refused_members if elastic else 0,
             "unauthentic_messages": strategy.unauthentic_messages if elastic else 0,
             "healed_rounds": strategy.healed_rounds if elastic else [],
+            **_live_fields(trainer),  # for the launcher's live status line (gasloc_lightning.app.live_status)
             **extra,
         }
 
@@ -120,6 +121,15 @@ class ElasticProgress(Callback):
             # the fit then stops, and a resume continues from this very batch.
             self.checkpoint = save_leave_checkpoint(trainer, self.output_dir)
         write_progress(self.output_dir, self.record(trainer, "running"))
+
+
+def _live_fields(trainer: pl.Trainer) -> dict[str, Any]:
+    """Traffic counters and the last consensus figures (None until measured)."""
+    strategy, val_loss = trainer.strategy, trainer.callback_metrics.get("val/loss")
+    return {"bytes_sent": getattr(strategy, "bytes_sent", None),
+            "bytes_received": getattr(strategy, "bytes_received", None),
+            "consensus_distance": getattr(strategy, "consensus_distance", None),
+            "val_loss": None if val_loss is None else float(val_loss)}
 
 
 def model_checksum(trainer: pl.Trainer) -> float | None:

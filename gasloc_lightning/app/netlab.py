@@ -225,9 +225,10 @@ def _elastic_config(cfg: DictConfig, plan: LabPlan) -> DictConfig:
 
 
 def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fault]) -> dict[str, Any]:
-    schedule = FaultSchedule(faults, lab, flap_period_s=cfg.netlab.flap_period_s)
     run = ElasticRun(elastic_cfg, on_poll=lambda run: schedule.poll(run.furthest_step()),
                      placement=SitePlacement(lab))
+    schedule = FaultSchedule(faults, lab, flap_period_s=cfg.netlab.flap_period_s,
+                             report=lambda text: _report_fault(run, text))
     signum, summary = run_in_lab(run, schedule)
     print_table(summary)
     if signum is not None:
@@ -241,6 +242,12 @@ def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fa
           f"{sorted({row['final_step'] for row in finished})} on {len(checksums)} model(s)", flush=True)
     raise_if_split(summary, run.run_dir)  # main() says gasloc-netlab
     return {"faults": schedule.fired, "workers": summary["workers"], "models": len(checksums)}
+
+
+def _report_fault(run: ElasticRun, text: str) -> None:
+    """A fault action goes to the log and, with logger=tensorboard, to the launcher's event series."""
+    print(text, flush=True)
+    run.series.event(text, run.furthest_step())
 
 
 def run_in_lab(run: ElasticRun, schedule: FaultSchedule) -> tuple[int | None, dict[str, Any]]:
