@@ -322,8 +322,10 @@ def merged(previous: dict | None, current: dict, workers: int) -> dict:
     kept = [method for method in previous.get("tuning", {}) if method in METHODS and method not in current["tuning"]]
     if kept:
         print(f"  kept from the previous run of this protocol: {', '.join(kept)}", flush=True)
-    order = list(METHODS)
+    order = [*METHODS, "gasloc_best"]
     tuning = {**{m: previous["tuning"][m] for m in kept}, **current["tuning"]}
+    if "gasloc_best" not in current["tuning"] and "gasloc_best" in previous["tuning"]:
+        tuning["gasloc_best"] = previous["tuning"]["gasloc_best"]
     results = {**{m: previous["results"][m] for m in kept if m in previous.get("results", {})},
                **current["results"]}
     return {**current, "results": dict(sorted(results.items(), key=lambda item: order.index(item[0]))),
@@ -349,7 +351,10 @@ def tuned_choices(out: Path, tuned_from: int, scenarios: tuple[str, ...], method
         if missing:
             raise ValueError(f"{where} there has no tuning for {missing} (rerun it)")
         protocol = {"tuning_seed": source["tuning_seed"], "tuned_at_workers": source.get("tuned_at_workers", tuned_from)}
-        choices[name] = (protocol, {method: source["tuning"][method] for method in methods})
+        chosen = {method: source["tuning"][method] for method in methods}
+        if "gasloc_best" in source["tuning"]:
+            chosen["gasloc_best"] = source["tuning"]["gasloc_best"]
+        choices[name] = (protocol, chosen)
     return choices
 
 
@@ -383,9 +388,9 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         forms: ``"best"``: of GASLoC's forms only the best one on the tuning seed runs the held-out seeds.
     """
     methods = check_methods(methods)
-    check_noise_draws(scenarios, seeds)
     choices = None if tuned_from is None else tuned_choices(out, tuned_from, scenarios, methods, seeds, steps,
                                                             inner_steps)
+    check_noise_draws(scenarios, seeds)
     path = out / f"multicloud_n{workers}.json"
     with tempfile.TemporaryDirectory() as tmp:
         runs = SharedRuns(tuple(name for name in scenarios if name in CLOCK_ONLY), out / "runs" / f"n{workers}",

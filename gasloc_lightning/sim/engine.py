@@ -244,6 +244,15 @@ class Simulator:
         points = self.replicas.gather().index_select(0, index)
         return float((points - self.consensus_point()).pow(2).sum().double()) / len(self._live)
 
+    def validation_stamps(self) -> dict[str, float]:
+        """When a validation now would be stamped: the end of the consensus all-reduce (full model, float32) over
+        the live workers, posted at their clocks and not waited on; ``{"": run's network, name: each network timed
+        alongside}`` (empty without a clock)."""
+        if not self.clocks.enabled:
+            return {}
+        stamp, *also = self.clocks.all_reduce_posted(self._live, None, 1.0)
+        return {"": stamp, **dict(zip(self.clocks.also_names, also))}
+
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Loss and perplexity of the consensus model on every worker's validation windows."""
@@ -258,11 +267,8 @@ class Simulator:
         row = {"val/loss": loss, "val/ppl": math.exp(loss), "progress/tokens": float(self.tokens_seen),
                "progress/bytes_sent": self.bytes_sent_mean,
                "progress/wall_time_s": time.perf_counter() - self._start}
-        if self.clocks.enabled:  # when the consensus all-reduce over the round's workers ends (not waited on)
-            stamp, *also = self.clocks.all_reduce_posted(self._live, None, 1.0)
-            row["val/sim_time"] = stamp
-            for name, at in zip(self.clocks.also_names, also):  # the same run timed on other networks
-                row[f"val/sim_time/{name}"] = at
+        for name, stamp in self.validation_stamps().items():
+            row["val/sim_time" + (f"/{name}" if name else "")] = stamp
         self._metrics(self.step - 1, row)
         log.info("validation step=%d val_loss=%.4f", self.step, loss)
         return row
