@@ -31,6 +31,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -44,6 +45,19 @@ import multicloud as mc  # noqa: E402
 
 CLOCK_ONLY = ("jitter", "two_clusters", "cloud_mix", "many_sites")
 PINNED_DRAW_STRIDE = 100  # the extra noise draws of seed s: s + 100, s + 200, ...
+
+
+class _NoBatches:
+    """Stands in for the workers' data (set up for every worker, the costly part of a build): a replay draws no
+    batch; a joiner's sampler restart changes no clock."""
+
+    batch_size = 1
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def restart(self, worker: int) -> None:
+        pass
 
 
 def _old_after_step(rounds: DiLoCoRounds):
@@ -72,7 +86,8 @@ def replay(overrides: list[str], rules: str, draw: int | None, tmp: Path,
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("sim/app", overrides=["experiment=demo", "data.val_batches=2", "sim.progress_every=0",
                                             *overrides, *network, f"output_dir={tmp}"])
-    simulator, _ = sim_app.build(cfg)
+    with mock.patch.object(sim_app, "ShardedBatches", _NoBatches):  # no data: no step is computed
+        simulator, _ = sim_app.build(cfg)
     names = ["preemption"] if churn else ["jitter", *others]
     stamps: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
 
@@ -139,8 +154,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="methods whose every tuning-seed grid point is replayed (the others: their target only, "
                              "for plain DiLoCo; their seed-0 order is the recorded one, see multicloud_retime.py)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--markdown", nargs="*", type=Path, default=None,
+                        help="only print the tables of these replay files (default: --out)")
     args = parser.parse_args(argv)
     record = json.loads(args.record.read_text())
+    if args.markdown is not None:
+        merged = {"runs": {}}
+        for path in args.markdown or [args.out]:
+            merged["runs"].update(json.loads(path.read_text())["runs"])
+        print(markdown(merged, record))
+        return
     workers, scenarios = record["workers"], record["scenarios"]
     result = json.loads(args.out.read_text()) if args.out.is_file() else {"workers": workers, "runs": {}}
     tmp = Path("/tmp") / "multicloud_clock_replay"
@@ -210,30 +233,55 @@ def _legacy_grid(method: str) -> dict[str, tuple[str, ...]]:
     return mc.METHODS[method].grid
 
 
-def summary(result: dict) -> str:
-    """Per scenario, method and seed: the new time to the target at each draw, as a ratio to plain DiLoCo's."""
-    lines, runs = [], result["runs"]
+def ratios(result: dict, record: dict) -> dict[str, dict[str, dict[str, float | None]]]:
+    """``{scenario: {method: {"seed/draw": new ratio to plain DiLoCo's time, or None (never)}}}`` of the
+    held-out seeds, with ``"old seed"`` the recorded ratio alongside."""
+    out: dict = {}
+    runs = result["runs"]
     for group, names in GROUPS.items():
         for name in names:
-            lines.append(f"{name}:")
+            scenario = record["scenarios"][name]
             for key, run in runs.items():
                 kgroup, method, label, seed = key.split("|")
-                if kgroup != group or method == "diloco" or name not in run["reached_step"]:
+                if kgroup != group or name not in run["reached_step"] or seed == str(scenario["tuning_seed"]):
                     continue
-                reference = next((r for k, r in runs.items() if k.startswith(f"{group}|diloco|")
-                                  and k.endswith(f"|{seed}")), None)
+                reference = runs.get(f"{group}|diloco|{scenario['tuning']['diloco']['label']}|{seed}")
                 if reference is None:
                     continue
-                step, ratios = run["reached_step"][name], []
+                row = out.setdefault(name, {}).setdefault(method, {})
+                row[f"old {seed}"] = scenario["results"][method]["ratios"][scenario["held_out_seeds"].index(int(seed))]
+                step = run["reached_step"][name]
                 for draw, stamps in run["new"].items():
-                    if draw not in reference["new"]:
-                        continue
-                    target = dict(reference["new"][draw][name])[reference["reached_step"][name]]
-                    ratios.append(None if step is None else dict(stamps[name])[step] / target)
-                shown = ", ".join("never" if r is None else f"{r:.3f}" for r in ratios)
-                mean = None if None in ratios else round(statistics.mean(ratios), 3)
-                lines.append(f"  {method:18s} {label:24s} seed {seed}: {shown}  (mean {mean})")
+                    if draw in reference["new"]:
+                        target = dict(reference["new"][draw][name])[reference["reached_step"][name]]
+                        row[f"{seed}/{draw}"] = None if step is None else dict(stamps[name])[step] / target
+    return out
+
+
+def _cell(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f}"
+
+
+def markdown(result: dict, record: dict) -> str:
+    """One table per scenario: each method's recorded ratios (seeds 1, 2) and the replayed ones under the new
+    rules, per (seed, noise draw), with their mean (None if any draw never reached the target)."""
+    lines = []
+    for name, methods in ratios(result, record).items():
+        columns = sorted({c for row in methods.values() for c in row if not c.startswith("old")})
+        lines += [f"#### {name}, n = {record['workers']} (replayed clocks)", "",
+                  "| method | before (seeds 1, 2) | now, per seed/draw (" + ", ".join(columns) + ") | now, mean |",
+                  "|---|---|---|---|"]
+        for method, row in methods.items():
+            old = ", ".join(_cell(v) for c, v in sorted(row.items()) if c.startswith("old"))
+            new = [row.get(c) for c in columns]
+            mean = None if None in new or not new else statistics.mean(new)
+            lines.append(f"| {method} | {old} | {', '.join(_cell(v) for v in new)} | {_cell(mean)} |")
+        lines.append("")
     return "\n".join(lines)
+
+
+def summary(result: dict) -> str:
+    return f"{len(result['runs'])} runs replayed"
 
 
 if __name__ == "__main__":
