@@ -105,6 +105,9 @@ def replay(overrides: list[str], rules: str, draw: int | None, tmp: Path,
             stamps[name].append((simulator.step, stamp))
         return {}
 
+    if churn:  # a joiner pulls the inner optimizer's state, which exists once a step ran: run one, off the clock
+        x = torch.zeros(simulator.workers, 1, 8, dtype=torch.long)
+        simulator.replicas.train_step(x, x.clone(), 0)
     simulator._inner_step = inner_step
     simulator.validate = validate
     if rules == "old" and isinstance(simulator.rounds, DiLoCoRounds):
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draws", type=int, default=3, help="jitter's noise draws per held-out seed: the seed's "
                                                              "own, then pinned ones (s + 100, s + 200, ...)")
     parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="only these of the record's seeds")
     parser.add_argument("--retune", nargs="*", default=["streaming_diloco"],
                         help="methods whose every tuning-seed grid point is replayed (the others: their target only, "
                              "for plain DiLoCo; their seed-0 order is the recorded one, see multicloud_retime.py)")
@@ -175,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         methods = [m for m in (args.methods or first["tuning"]) if m in first["tuning"] and m in mc.METHODS
                    and "error" not in first["tuning"][m]]
         for seed in [tuning_seed, *first["held_out_seeds"]]:
+            if args.seeds is not None and seed not in args.seeds:
+                continue
             for method in methods:
                 entries = []  # (label, scenario, recorded time to the target, or "target")
                 for name in names:
