@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                                                              "own, then pinned ones (s + 100, s + 200, ...)")
     parser.add_argument("--methods", nargs="+", default=None)
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="only these of the record's seeds")
+    parser.add_argument("--own-draw-only", action="store_true", help="held-out seeds: their own noise draw only")
     parser.add_argument("--retune", nargs="*", default=["streaming_diloco"],
                         help="methods whose every tuning-seed grid point is replayed (the others: their target only, "
                              "for plain DiLoCo; their seed-0 order is the recorded one, see multicloud_retime.py)")
@@ -203,9 +204,9 @@ def main(argv: list[str] | None = None) -> None:
                     overrides = _overrides(scenario, method, extra, seed)
                     # draws: the recorded one (0, pinned) and the seed's own; under churn only the recorded one (the
                     # churn draw changes the training: rerun, not replayed)
-                    draws = [0] if churn or seed == tuning_seed else [0, seed]
+                    draws = [0] if churn or seed == tuning_seed else [seed] if args.own_draw_only else [0, seed]
                     new = {str(draw): replay(overrides, "new", draw, tmp, churn) for draw in draws}
-                    if churn or method == "streaming_diloco":
+                    if churn or method == "streaming_diloco" or "0" not in new:
                         old = replay(overrides, "old", 0, tmp, churn)
                     else:  # the new rules add only the consensus all-reduce to this method's stamps (no churn)
                         c = new["0"]["consensus_s"]
@@ -278,10 +279,20 @@ def markdown(result: dict, record: dict) -> str:
                   "| method | before (seeds 1, 2) | now, per seed/draw (" + ", ".join(columns) + ") | now, mean |",
                   "|---|---|---|---|"]
         for method, row in methods.items():
-            old = ", ".join(_cell(v) for c, v in sorted(row.items()) if c.startswith("old"))
-            new = [row.get(c) for c in columns]
-            mean = None if None in new or not new else statistics.mean(new)
-            lines.append(f"| {method} | {old} | {', '.join(_cell(v) for v in new)} | {_cell(mean)} |")
+            old = ", ".join(_cell(v) for v in record["scenarios"][name]["results"][method]["ratios"][:2])
+            recorded = record["scenarios"][name]["results"].get(method, {})
+            seeds = record["scenarios"][name]["held_out_seeds"]
+
+            def cell(column: str) -> str:
+                if column in row:
+                    return _cell(row[column])
+                seed = int(column.split("/")[0])  # not replayed: never if it never reached (the training decides)
+                return "never" if recorded.get("ratios", [0] * len(seeds))[seeds.index(seed)] is None else "not replayed"
+
+            cells = [cell(c) for c in columns]
+            values = [row.get(c) for c in columns]
+            mean = "never" if "never" in cells else "n/a" if "not replayed" in cells else _cell(statistics.mean(values))
+            lines.append(f"| {method} | {old} | {', '.join(cells)} | {mean} |")
         lines.append("")
     return "\n".join(lines)
 
