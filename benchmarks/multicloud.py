@@ -70,22 +70,31 @@ _DILOCO_OUTER = _outer_grid(((1.0, 0.3), (0.7, 0.5), (0.7, 0.9)))
 _GASLOC_OUTER = _outer_grid(((0.7, 0.5), (0.7, 0.7), (1.0, 0.3)))
 _ONE_PEER = ("strategy=gasloc", "topology=one_peer")
 
+
+def _codec_grid(outer: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """A compressed method's grid: int8 or int4 messages, each with the first two points of its outer grid. Every
+    method with a codec to choose (Streaming DiLoCo's pseudo-gradients, GASLoC's compressed messages) is tuned on
+    this same grid."""
+    return {f"{codec},{label}": (f"strategy.message_codec={codec}", *overrides)
+            for codec in ("int8", "int4") for label, overrides in list(outer.items())[:2]}
+
 METHODS = {
     "ddp": Method(("strategy=diloco", "strategy.outer_lr=1.0", "strategy.outer_momentum=0.0"), inner_steps=1),
     "diloco": Method(("strategy=diloco",), _DILOCO_OUTER),
-    "streaming_diloco": Method(("strategy=diloco", "strategy.fragments=4", "strategy.overlap=true",
-                                "strategy.message_codec=int4"), _DILOCO_OUTER),
+    "streaming_diloco": Method(("strategy=diloco", "strategy.fragments=4", "strategy.overlap=true"),
+                               _codec_grid(_DILOCO_OUTER)),
     "gasloc_one_peer": Method((*_ONE_PEER, "overlap=true"), _GASLOC_OUTER),
     "gasloc_bw_spread": Method(("strategy=gasloc", "topology=bandwidth_aware", "topology.schedule=spread",
                                 "overlap=true"), _GASLOC_OUTER),
-    "gasloc_compressed": Method((*_ONE_PEER, "overlap=true"), {
-        f"{codec},{label}": (f"strategy.message_codec={codec}", *outer)
-        for codec in ("int8", "int4") for label, outer in list(_GASLOC_OUTER.items())[:2]}),
+    "gasloc_compressed": Method((*_ONE_PEER, "overlap=true"), _codec_grid(_GASLOC_OUTER)),
     "gasloc_streamed": Method((*_ONE_PEER, "strategy.fragments=4", "strategy.fragment_sync_delay=1"), _GASLOC_OUTER),
 }
 
 
 CLOCK_ONLY = ("two_clusters", "cloud_mix", "many_sites", "jitter")  # the network changes only the clock there
+GASLOC_FORMS = ("gasloc_one_peer", "gasloc_bw_spread", "gasloc_compressed", "gasloc_streamed")
+NOISY = ("jitter", "preemption")  # their noise or churn follows the run's seed: each held-out seed is a draw
+MIN_NOISE_DRAWS = 3
 CLUSTER_SHAPED = ("gasloc_bw_spread",)  # its schedule is drawn from the scenario's clusters: one run per scenario
 
 
@@ -102,9 +111,23 @@ class SharedRuns:
     timed alongside (``sim.also_networks``), which gives the same times as running there (tested). Churn
     (preemption) and the cluster-shaped schedule change the training: they run per scenario."""
 
-    def __init__(self, together: tuple[str, ...], folder: Path) -> None:
-        self.together, self.folder = together, folder
+    def __init__(self, together: tuple[str, ...], folder: Path, work: Path | None = None) -> None:
+        self.together, self.folder, self.work = together, folder, work or folder / "work"
         self._runs: dict[tuple[str, ...], dict] = {}
+
+    def _run_sim(self, overrides: list[str], name: str) -> dict:
+        """One ``gasloc-sim`` run, kept in ``folder/<name>.json`` (its summary and traces) once it ends: a run
+        found there with the same overrides is read back, not rerun, so an interrupted benchmark resumes."""
+        kept = self.folder / f"{name}.json"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if kept.is_file():
+            run = json.loads(kept.read_text())
+            if run.get("overrides") == list(overrides):
+                print(f"    {name}: recorded", flush=True)
+                return run
+        run = run_sim(list(overrides), self.work / name)
+        _write(kept, {**run, "overrides": list(overrides)})
+        return json.loads(kept.read_text())  # as read back on a resume: lists, not tuples
 
     def shares(self, scenario: str, method: str) -> bool:
         return scenario in self.together and len(self.together) > 1 and method not in CLUSTER_SHAPED
@@ -112,13 +135,13 @@ class SharedRuns:
     def run(self, scenario: str, method: str, overrides: list[str], name: str) -> dict:
         """``overrides`` without the network: this scenario's run (its ``trace`` on this scenario's clock)."""
         if not self.shares(scenario, method):
-            return run_sim([*overrides, *scenario_overrides(scenario)], self.folder / slug(f"{scenario}_{name}"))
+            return self._run_sim([*overrides, *scenario_overrides(scenario)], slug(f"{scenario}_{name}"))
         key = tuple(overrides)
         if key not in self._runs:
             first, *others = self.together
             also = f"sim.also_networks=[{','.join(others)}]"
-            self._runs[key] = run_sim([*overrides, *scenario_overrides(first), also],
-                                      self.folder / slug(f"shared_{name}"))
+            self._runs[key] = self._run_sim([*overrides, *scenario_overrides(first), also],
+                                            slug(f"shared_{'_'.join(self.together)}_{name}"))
         run = self._runs[key]
         trace = run["trace"] if scenario == self.together[0] else run["also_traces"][scenario]
         return {**run, "trace": trace}
@@ -161,20 +184,39 @@ class Scenario:
         return {"val_loss": run["val_loss"], "goodput": run["goodput"], "bytes_sent": run["bytes_sent"],
                 "time_to_target": reached, "ratio": None if reached is None else reached / target[1]}
 
-    def tune(self, seed: int) -> dict[str, dict]:
+    def tune(self, seed: int, given: dict[str, dict] | None = None, outer: str | None = None) -> dict[str, dict]:
         """Each method's chosen grid point on ``seed``: plain DiLoCo by its loss at the target step, the
-        others by their time to that loss (then by final loss)."""
+        others by their time to that loss (then by final loss); then GASLoC's best form, the one of its forms
+        whose chosen point is first on this seed (:func:`best_form`).
+
+        Args:
+            given: choices made elsewhere (method -> its tuning entry, with the reason under ``given``): not
+                rerun; plain DiLoCo's choice, if given, still runs on ``seed`` for the target unless its entry
+                gives it (``target``: [loss, simulated time]).
+            outer: run only the grid points whose outer step is this label (e.g. ``eta=0.7,gamma=0.5``), every
+                codec of it; None: the whole grid.
+        """
+        given = dict(given or {})
         chosen: dict[str, dict] = {}
-        diloco = {label: self.run("diloco", extra, seed, label) for label, extra in METHODS["diloco"].grid.items()}
-        best = min(diloco, key=lambda label: self.target(diloco[label])[0])
-        chosen["diloco"] = {"label": best, "overrides": METHODS["diloco"].grid[best],
-                            "losses": {label: self.target(run)[0] for label, run in diloco.items()}}
-        target = self.target(diloco[best])
+        if "diloco" in given:
+            chosen["diloco"] = {key: value for key, value in given["diloco"].items() if key != "target"}
+            target = tuple(given["diloco"]["target"]) if "target" in given["diloco"] else \
+                self.target(self.run("diloco", tuple(given["diloco"]["overrides"]), seed, "chosen"))
+        else:
+            diloco = {label: self.run("diloco", extra, seed, label) for label, extra in METHODS["diloco"].grid.items()}
+            best = min(diloco, key=lambda label: self.target(diloco[label])[0])
+            chosen["diloco"] = {"label": best, "overrides": METHODS["diloco"].grid[best],
+                                "losses": {label: self.target(run)[0] for label, run in diloco.items()}}
+            target = self.target(diloco[best])
         for method in self.methods:
             if method == "diloco":
                 continue
+            if method in given:
+                chosen[method] = given[method]
+                continue
             spec = METHODS[method]
-            grid = spec.grid or {"default": ()}
+            grid = {label: extra for label, extra in (spec.grid or {"default": ()}).items()
+                    if outer is None or not spec.grid or label.endswith(outer)}
             try:
                 scores = {label: self.score(self.run(method, extra, seed, label), target)
                           for label, extra in grid.items()}
@@ -185,21 +227,44 @@ class Scenario:
             label = min(scores, key=lambda k: tuning_key(scores[k]))
             chosen[method] = {"label": label, "overrides": grid[label], "scores": scores}
             print(f"  tuned {method}: {label}", flush=True)
+        if "gasloc_best" in given:
+            chosen["gasloc_best"] = given["gasloc_best"]
+        else:
+            form = best_form(chosen)
+            if form is not None:
+                chosen["gasloc_best"] = {"form": form, "seed": seed}
         return chosen
 
-    def held_out(self, chosen: dict[str, dict], seeds: tuple[int, ...]) -> dict[str, dict]:
-        runnable = [method for method in self.methods if "error" not in chosen[method]]
+    def held_out(self, chosen: dict[str, dict], seeds: tuple[int, ...], forms: str = "all") -> dict[str, dict]:
+        """The chosen configurations on ``seeds``; ``forms="best"`` runs only GASLoC's best form (chosen on the
+        tuning seed) of its forms."""
+        best = chosen.get("gasloc_best", {}).get("form")
+        runnable = [method for method in self.methods if "error" not in chosen.get(method, {"error": ""})
+                    and (forms == "all" or method not in GASLOC_FORMS or method == best)]
+        return self._held_out(chosen, runnable, seeds)
+
+    def _held_out(self, chosen: dict[str, dict], runnable: list[str], seeds: tuple[int, ...]) -> dict[str, dict]:
         results: dict[str, dict] = {method: {"seeds": {}} for method in runnable}
         for seed in seeds:
             diloco = self.run("diloco", chosen["diloco"]["overrides"], seed, "chosen")
             target = self.target(diloco)
             for method in runnable:
-                run = diloco if method == "diloco" else self.run(method, chosen[method]["overrides"], seed, "chosen")
+                run = diloco if method == "diloco" else self.run(method, tuple(chosen[method]["overrides"]), seed,
+                                                                 "chosen")
                 results[method]["seeds"][str(seed)] = {**self.score(run, target), "target_loss": target[0],
                                                        "diloco_time": target[1]}
         for result in results.values():
             result |= _summary(list(result["seeds"].values()))
         return results
+
+
+def best_form(chosen: dict[str, dict]) -> str | None:
+    """GASLoC's best form on the tuning seed: of the forms tuned there, the one whose chosen point comes first
+    by :func:`tuning_key` (time to the target, then final loss); None if no form was tuned. Chosen before any
+    held-out seed runs, so the held-out seeds report what a user would have picked ahead."""
+    scored = {form: chosen[form]["scores"][chosen[form]["label"]] for form in GASLOC_FORMS
+              if form in chosen and "scores" in chosen[form]}
+    return min(scored, key=lambda form: tuning_key(scored[form])) if scored else None
 
 
 def _summary(per_seed: list[dict]) -> dict:
@@ -257,8 +322,10 @@ def merged(previous: dict | None, current: dict, workers: int) -> dict:
     kept = [method for method in previous.get("tuning", {}) if method in METHODS and method not in current["tuning"]]
     if kept:
         print(f"  kept from the previous run of this protocol: {', '.join(kept)}", flush=True)
-    order = list(METHODS)
+    order = [*METHODS, "gasloc_best"]
     tuning = {**{m: previous["tuning"][m] for m in kept}, **current["tuning"]}
+    if "gasloc_best" not in current["tuning"] and "gasloc_best" in previous["tuning"]:
+        tuning["gasloc_best"] = previous["tuning"]["gasloc_best"]
     results = {**{m: previous["results"][m] for m in kept if m in previous.get("results", {})},
                **current["results"]}
     return {**current, "results": dict(sorted(results.items(), key=lambda item: order.index(item[0]))),
@@ -284,7 +351,10 @@ def tuned_choices(out: Path, tuned_from: int, scenarios: tuple[str, ...], method
         if missing:
             raise ValueError(f"{where} there has no tuning for {missing} (rerun it)")
         protocol = {"tuning_seed": source["tuning_seed"], "tuned_at_workers": source.get("tuned_at_workers", tuned_from)}
-        choices[name] = (protocol, {method: source["tuning"][method] for method in methods})
+        chosen = {method: source["tuning"][method] for method in methods}
+        if "gasloc_best" in source["tuning"]:
+            chosen["gasloc_best"] = source["tuning"]["gasloc_best"]
+        choices[name] = (protocol, chosen)
     return choices
 
 
@@ -295,27 +365,50 @@ def _write(path: Path, record: dict) -> None:
     os.replace(partial, path)
 
 
+def check_noise_draws(scenarios: tuple[str, ...], seeds: tuple[int, ...]) -> None:
+    """Jitter's noise and preemption's churn follow the run's seed: each held-out seed is one draw, and a
+    scenario with noise is reported over at least :data:`MIN_NOISE_DRAWS` of them."""
+    noisy = [name for name in scenarios if name in NOISY]
+    if noisy and len(set(seeds)) < MIN_NOISE_DRAWS:
+        raise ValueError(f"{noisy} draw their noise or churn from the run's seed: give at least {MIN_NOISE_DRAWS} "
+                         f"held-out seeds (--seeds), got {list(seeds)}")
+
+
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
         seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
-        methods: tuple[str, ...] = tuple(METHODS)) -> None:
+        methods: tuple[str, ...] = tuple(METHODS), given: dict[str, dict] | None = None, outer: str | None = None,
+        forms: str = "all") -> None:
+    """Tune (or take ``--tuned-from``) and run the held-out seeds of every scenario; each scenario's record is
+    written to ``<out>/multicloud_n<workers>.json`` as it ends and every run's trace to ``<out>/runs/n<workers>/``
+    (a rerun reads the runs it finds there: the benchmark resumes where it stopped).
+
+    Args:
+        given: ``{scenario: {method: tuning entry}}`` chosen elsewhere (``--given``), not rerun.
+        outer: tune only the grid points of this outer step (``--outer``).
+        forms: ``"best"``: of GASLoC's forms only the best one on the tuning seed runs the held-out seeds.
+    """
     methods = check_methods(methods)
     choices = None if tuned_from is None else tuned_choices(out, tuned_from, scenarios, methods, seeds, steps,
                                                             inner_steps)
+    check_noise_draws(scenarios, seeds)
     path = out / f"multicloud_n{workers}.json"
-    record = json.loads(path.read_text()) if path.is_file() else {"workers": workers, "scenarios": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = SharedRuns(tuple(name for name in scenarios if name in CLOCK_ONLY), Path(tmp))
+        runs = SharedRuns(tuple(name for name in scenarios if name in CLOCK_ONLY), out / "runs" / f"n{workers}",
+                          Path(tmp))
         for name in scenarios:
             print(f"{name} at n = {workers}", flush=True)
             scenario = Scenario(name, workers, steps, inner_steps, runs, methods)
             if choices is None:
-                protocol, chosen = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}, scenario.tune(tuning_seed)
+                protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
+                chosen = scenario.tune(tuning_seed, (given or {}).get(name), outer)
             else:
                 protocol, chosen = choices[name]
-            results = scenario.held_out(chosen, seeds)
+            results = scenario.held_out(chosen, seeds, forms)
             current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
                        "held_out_seeds": list(seeds), "tuning": chosen,
                        "not_run": [method for method in METHODS if method not in methods], "results": results}
+            # read again: another invocation (other scenarios, run alongside) may have written its own since
+            record = json.loads(path.read_text()) if path.is_file() else {"workers": workers, "scenarios": {}}
             record["scenarios"][name] = merged(record["scenarios"].get(name), current, workers)
             _print_table(name, results)
             _write(path, record)  # after every scenario
@@ -351,6 +444,9 @@ def markdown(out: Path) -> str:
                       f"{scenario['target_step']}; tuned on seed {scenario['tuning_seed']}{where}, held-out seeds {seeds}.",
                       *([f"Not run here (left out with --methods): {', '.join(scenario['not_run'])}."] if scenario.get("not_run")
                         else []),
+                      *([f"GASLoC's best form on seed {scenario['tuning_seed']}: {scenario['tuning']['gasloc_best']['form']}"
+                         + (f" ({scenario['tuning']['gasloc_best']['given']})" if "given" in scenario['tuning']['gasloc_best']
+                            else "") + "."] if "gasloc_best" in scenario["tuning"] else []),
                       "", "| method | time / DiLoCo (mean) | per seed | goodput | final val loss | tuned |",
                       "|---|---|---|---|---|---|"]
             for method, result in scenario["results"].items():
@@ -359,6 +455,8 @@ def markdown(out: Path) -> str:
                 lines.append(f"| {method} | {_cell(result['ratio_mean'])} | {per_seed} | {result['goodput_mean']:.3f} "
                              f"| {result['val_loss_mean']:.4f} | {tuned} |")
             for method, chosen in scenario["tuning"].items():
+                if method in METHODS and method not in scenario["results"] and "error" not in chosen:
+                    lines.append(f"| {method} | not run on the held-out seeds | | | | {chosen.get('label', '')} |")
                 if "error" in chosen:
                     lines.append(f"| {method} | cannot run here | | | | {chosen['error']} |")
             lines.append("")
@@ -409,13 +507,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60, help="plain DiLoCo's steps: the target (runs get 1.5x)")
     parser.add_argument("--inner-steps", type=int, default=10, help="H")
     parser.add_argument("--tuning-seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="held-out seeds, reported")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
+                        help="held-out seeds, reported (jitter and preemption: one noise draw each, at least 3)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/multicloud"))
     parser.add_argument("--tuned-from", type=int, default=None, metavar="N",
                         help="no tuning: run the held-out seeds with the configurations chosen at N workers "
                              "(from multicloud_n<N>.json in --out); for sizes where tuning is too costly")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
                         help="a subset of the methods (diloco, the reference, must be one of them)")
+    parser.add_argument("--given", type=Path, default=None,
+                        help="JSON {scenario: {method: tuning entry}}: choices made elsewhere, not rerun (each says "
+                             "why under 'given')")
+    parser.add_argument("--outer", default=None, metavar="LABEL",
+                        help="tune only the grid points of this outer step (e.g. eta=0.7,gamma=0.5), every codec")
+    parser.add_argument("--forms", choices=("all", "best"), default="all",
+                        help="best: only GASLoC's best form on the tuning seed runs the held-out seeds")
     parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
     parser.add_argument("--markdown", action="store_true", help="only print the tables of the JSON files in --out")
     args = parser.parse_args(argv)
@@ -433,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
-                      tuple(args.seeds), args.out, args.tuned_from, tuple(args.methods))
+                      tuple(args.seeds), args.out, args.tuned_from, tuple(args.methods),
+                      None if args.given is None else json.loads(args.given.read_text()), args.outer, args.forms)
     plot(args.out)
 
 

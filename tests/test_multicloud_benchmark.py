@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,8 +39,11 @@ def test_every_method_composes_in_every_scenario(scenario, workers):
                 overrides = [f"sim.workers={workers}", *mc.scenario_overrides(scenario), *method.overrides, *extra]
                 cfg = compose("sim/app", overrides=["experiment=demo", *overrides])
                 assert cfg.sim.workers == workers, name
-    streaming = mc.METHODS["streaming_diloco"].overrides
-    assert {"strategy.fragments=4", "strategy.overlap=true", "strategy.message_codec=int4"} <= set(streaming)
+    streaming = mc.METHODS["streaming_diloco"]
+    assert {"strategy.fragments=4", "strategy.overlap=true"} <= set(streaming.overrides)
+    # its codec is tuned as GASLoC's compressed form's is: the same codecs, the first two outer points of its grid
+    assert [label.split(",")[0] for label in streaming.grid] == [label.split(",")[0] for label in
+                                                                 mc.METHODS["gasloc_compressed"].grid]
 
 
 def _stand_in_run(overrides: list[str], out: Path) -> dict:
@@ -61,20 +65,20 @@ def test_tuning_on_seed_0_and_ratios_on_the_held_out_seeds(tmp_path, monkeypatch
     mc.main(["--workers", "4", "--scenarios", "two_clusters", "--steps", "40", "--out", str(tmp_path)])
     record = json.loads((tmp_path / "multicloud_n4.json").read_text())
     scenario = record["scenarios"]["two_clusters"]
-    assert scenario["held_out_seeds"] == [1, 2] and scenario["tuning_seed"] == 0 and scenario["steps"] == 60
+    assert scenario["held_out_seeds"] == [1, 2, 3] and scenario["tuning_seed"] == 0 and scenario["steps"] == 60
     tuning, results = scenario["tuning"], scenario["results"]
     assert "outer_lr=1.0" not in " ".join(tuning["diloco"]["overrides"])  # the slower grid point lost
     assert tuning["gasloc_bw_spread"]["error"] == "TopologyError('bandwidth_aware needs two clusters')"
     assert "gasloc_bw_spread" not in results
-    assert results["diloco"]["ratios"] == [1.0, 1.0]
+    assert results["diloco"]["ratios"] == [1.0, 1.0, 1.0]
     # one_peer's steps take half the time: it reaches DiLoCo's loss at the same step, in half the time
-    assert results["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5])
+    assert results["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5, 0.5])
     assert results["gasloc_one_peer"]["goodput_mean"] == pytest.approx(2.0)
     assert (tmp_path / "multicloud.png").stat().st_size > 0
     mc.main(["--markdown", "--out", str(tmp_path)])
     table = capsys.readouterr().out.split("### two_clusters, n = 4", 1)[1]
-    assert "| gasloc_one_peer | 0.50 | 0.50, 0.50 | 2.000 |" in table
-    assert "| gasloc_bw_spread | cannot run here |" in table and "held-out seeds 1, 2" in table
+    assert "| gasloc_one_peer | 0.50 | 0.50, 0.50, 0.50 | 2.000 |" in table
+    assert "| gasloc_bw_spread | cannot run here |" in table and "held-out seeds 1, 2, 3" in table
 
 
 def test_the_tuning_seed_cannot_be_a_held_out_seed(tmp_path):
@@ -104,9 +108,9 @@ def test_scenarios_that_differ_only_by_the_clock_share_one_run_per_configuration
     assert len([c for c in calls if "topology=bandwidth_aware" in c and "network=jitter" in c]) == 1  # its own
     record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]
     for name in ("two_clusters", "jitter"):
-        assert record[name]["results"]["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5])
+        assert record[name]["results"]["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5, 0.5])
         targets = [s["diloco_time"] for s in record[name]["results"]["diloco"]["seeds"].values()]
-        assert targets == pytest.approx([40 * speed["network=two_clusters" if name == "two_clusters" else name]] * 2)
+        assert targets == pytest.approx([40 * speed["network=two_clusters" if name == "two_clusters" else name]] * 3)
 
 
 def test_a_size_can_reuse_the_configurations_tuned_at_another(tmp_path, monkeypatch):
@@ -139,7 +143,8 @@ def test_a_subset_of_the_methods_is_tuned_and_run_and_the_tables_name_the_rest(t
              "--out", str(tmp_path)])
     assert ran == {"diloco", "gasloc_streamed"}
     at4 = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
-    assert list(at4["results"]) == list(at4["tuning"]) == ["diloco", "gasloc_streamed"]
+    assert list(at4["results"]) == [m for m in at4["tuning"] if m in mc.METHODS] == ["diloco", "gasloc_streamed"]
+    assert at4["tuning"]["gasloc_best"]["form"] == "gasloc_streamed"  # the only form tuned
     assert set(at4["not_run"]) == set(mc.METHODS) - {"diloco", "gasloc_streamed"}
     capsys.readouterr()
     mc.main(["--markdown", "--out", str(tmp_path)])
@@ -150,7 +155,7 @@ def test_a_subset_of_the_methods_is_tuned_and_run_and_the_tables_name_the_rest(t
         mc.main(["--methods", "gasloc_streamed", "--out", str(tmp_path)])
     assert "--methods must include diloco" in capsys.readouterr().err
     with pytest.raises(ValueError, match="include diloco"):
-        mc.run_scenarios(4, ("jitter",), 40, 10, 0, (1, 2), tmp_path, methods=("gasloc_streamed",))
+        mc.run_scenarios(4, ("jitter",), 40, 10, 0, (1, 2, 3), tmp_path, methods=("gasloc_streamed",))
 
 
 def test_a_rerun_with_other_methods_keeps_the_results_of_the_same_protocol(tmp_path, monkeypatch):
@@ -185,6 +190,51 @@ def test_a_record_written_before_tuned_at_workers_existed_is_kept_by_a_rerun(tmp
     assert {"ddp", "streaming_diloco", "gasloc_one_peer", "gasloc_compressed"} <= set(results)
 
 
+def _new_simulator(monkeypatch, tmp_path: Path, run_sim) -> None:
+    """Another simulator from now on: the runs recorded under the previous one are dropped (else they are read back)."""
+    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
+    monkeypatch.setattr(mc, "run_sim", run_sim)
+
+
+def test_a_rerun_reads_the_recorded_runs_back_and_resumes_where_it_stopped(tmp_path, monkeypatch):
+    calls = []
+
+    def stops_after(count):
+        def run_sim(overrides, out):
+            if len(calls) == count:
+                raise KeyboardInterrupt  # stopped (by pid) mid-benchmark
+            calls.append(overrides)
+            return _stand_in_run(overrides, out)
+        return run_sim
+
+    monkeypatch.setattr(mc, "run_sim", stops_after(5))
+    with pytest.raises(KeyboardInterrupt):
+        mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
+    assert len(list((tmp_path / "runs" / "n4").glob("*.json"))) == 5
+    done = len(calls)
+    monkeypatch.setattr(mc, "run_sim", stops_after(10**6))
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
+    rerun = calls[done:]
+    assert rerun and not set(map(tuple, rerun)) & set(map(tuple, calls[:done]))  # nothing ran twice
+    record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
+    assert record["results"]["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5, 0.5])
+
+
+def test_gaslocs_best_form_is_chosen_on_the_tuning_seed_and_alone_runs_the_held_out_seeds(tmp_path, monkeypatch):
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    ran = _methods_run(monkeypatch)
+    mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--forms", "best", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
+    best = record["tuning"]["gasloc_best"]
+    assert best == {"form": mc.best_form(record["tuning"]), "seed": 0}
+    # the stand-in's one_peer forms tie on time; the tie goes to the lower final loss, as within a form
+    assert best["form"] in {"gasloc_one_peer", "gasloc_compressed"}
+    assert set(record["results"]) & set(mc.GASLOC_FORMS) == {best["form"]}
+    assert {"gasloc_streamed", "gasloc_one_peer", "gasloc_compressed"} <= ran  # all tuned on seed 0
+    with pytest.raises(ValueError, match="at least 3 held-out seeds"):
+        mc.run_scenarios(4, ("jitter",), 40, 10, 0, (1, 2), tmp_path)
+
+
 def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_record(tmp_path, monkeypatch):
     monkeypatch.setattr(mc, "run_sim", _stand_in_run)
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
@@ -194,7 +244,7 @@ def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_
             raise mc.SimRunError("RuntimeError: fragments need H >= 4")
         return _stand_in_run(overrides, out)
 
-    monkeypatch.setattr(mc, "run_sim", streamed_fails)
+    _new_simulator(monkeypatch, tmp_path, streamed_fails)
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "gasloc_streamed",
              "--out", str(tmp_path)])
     scenario = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
@@ -210,22 +260,22 @@ def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_
         return run_sim
 
     # a real multi-process rerun: the same reference up to the last digits
-    monkeypatch.setattr(mc, "run_sim", diloco_off_by(1e-5))
+    _new_simulator(monkeypatch, tmp_path, diloco_off_by(1e-5))
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
              str(tmp_path)])
     assert "gasloc_one_peer" in json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"][
         "results"]
 
     # a reference 1e-3 away is another one (seeds differ by about 7e-4)
-    monkeypatch.setattr(mc, "run_sim", diloco_off_by(1e-3))
+    _new_simulator(monkeypatch, tmp_path, diloco_off_by(1e-3))
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
              str(tmp_path)])
     assert list(json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]["results"]) == [
         "diloco"]
-    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    _new_simulator(monkeypatch, tmp_path, _stand_in_run)
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])  # all again
     rebuilt = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
-    assert set(rebuilt["tuning"]) == set(mc.METHODS)  # against the stand-in's own DiLoCo, not the 1e-3 one
+    assert set(rebuilt["tuning"]) == {*mc.METHODS, "gasloc_best"}  # against the stand-in's own DiLoCo, not the 1e-3 one
 
     def slower_diloco(overrides, out):  # the reference moved (another simulator): every old ratio is void
         run = _stand_in_run(overrides, out)
@@ -233,7 +283,7 @@ def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_
             run["trace"] = [(step, loss, 2 * time) for step, loss, time in run["trace"]]
         return run
 
-    monkeypatch.setattr(mc, "run_sim", slower_diloco)
+    _new_simulator(monkeypatch, tmp_path, slower_diloco)
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "--out",
              str(tmp_path)])
     assert list(json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]["results"]) == [

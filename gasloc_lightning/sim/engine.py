@@ -6,6 +6,17 @@ round runs if steps remain at the end, then any exchange still in flight is fold
 evaluates the average of the live replicas on every worker's validation windows (what the
 strategy's consensus evaluation computes, gathered in one place). Under churn only the live workers
 draw a batch and compute; joins follow the elastic mode (see :mod:`gasloc_lightning.sim.churn`).
+
+Clock rules of a validation (what a real run could measure):
+
+* it runs at the round boundary *before* that boundary's churn: its consensus and its time stamp are over
+  the workers that trained the round, not the ones that join for the next round (a joiner's clock, its
+  source's plus the state transfer, is not the time the round's consensus existed);
+* the consensus is a collective: a full-model float32 all-reduce over those workers, posted when each reaches
+  the validation and not waited on by training (an asynchronous all-reduce, as torch's ``async_op``); the
+  validation is stamped when it ends, the latest of their clocks plus the all-reduce's time. So no barrier
+  brings the clocks together, and the stamp is still a time a run could read off: the moment the consensus
+  model exists.
 """
 
 from __future__ import annotations
@@ -130,11 +141,14 @@ class Simulator:
                 self._inner_step(step, steps_in_round)
                 steps_in_round += 1
                 self._after_inner_step(steps_in_round)
-                if steps_in_round == self.inner_steps:
+                boundary = steps_in_round == self.inner_steps
+                if boundary:
                     self._end_round()
                     steps_in_round = 0
                 if self._validates(step):
-                    final = self.validate()
+                    final = self.validate()  # over the workers that trained the round: before its churn
+                if boundary:
+                    self._apply_churn()
             if steps_in_round:  # a final, shorter round, as the strategy runs at the end of training
                 self._end_round()
         return final
@@ -185,7 +199,6 @@ class Simulator:
             self.consensus_distance = self.measure_consensus_distance()
             row["comm/consensus_distance"] = self.consensus_distance
         self._metrics(self.step - 1, row)
-        self._apply_churn()
         self._print_progress()
 
     def _apply_churn(self) -> None:
@@ -231,6 +244,15 @@ class Simulator:
         points = self.replicas.gather().index_select(0, index)
         return float((points - self.consensus_point()).pow(2).sum().double()) / len(self._live)
 
+    def validation_stamps(self) -> dict[str, float]:
+        """When a validation now would be stamped: the end of the consensus all-reduce (full model, float32) over
+        the live workers, posted at their clocks and not waited on; ``{"": run's network, name: each network timed
+        alongside}`` (empty without a clock)."""
+        if not self.clocks.enabled:
+            return {}
+        stamp, *also = self.clocks.all_reduce_posted(self._live, None, 1.0)
+        return {"": stamp, **dict(zip(self.clocks.also_names, also))}
+
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Loss and perplexity of the consensus model on every worker's validation windows."""
@@ -245,11 +267,8 @@ class Simulator:
         row = {"val/loss": loss, "val/ppl": math.exp(loss), "progress/tokens": float(self.tokens_seen),
                "progress/bytes_sent": self.bytes_sent_mean,
                "progress/wall_time_s": time.perf_counter() - self._start}
-        if self.clocks.enabled:  # the consensus needs every live worker's round: the latest clock
-            times = self.clocks.times()
-            row["val/sim_time"] = max(times[i] for i in self._live)
-            for name, times in self.clocks.times_also().items():  # the same run timed on other networks
-                row[f"val/sim_time/{name}"] = max(times[i] for i in self._live)
+        for name, stamp in self.validation_stamps().items():
+            row["val/sim_time" + (f"/{name}" if name else "")] = stamp
         self._metrics(self.step - 1, row)
         log.info("validation step=%d val_loss=%.4f", self.step, loss)
         return row

@@ -437,9 +437,10 @@ class DiLoCoRounds:
             delta = self.streaming.prepare(leaving, flat.index_select(0, index))  # (m, size)
             quantized = self.message_codec != "float32"
             size = codec_bytes_per_element(self.message_codec, delta.shape[1]) if quantized else None
+            # Posted now, waited on where the fragment lands (:meth:`_land`), float32 or encoded alike: the
+            # engines post the quantized mean asynchronously as torchft does, so it hides under the compute
+            # between the two points as the float32 all-reduce does.
             end = self.clocks.all_reduce_posted(live, size, delta.shape[1] / flat.shape[1])
-            if quantized:  # the encoded all-reduce blocks: nothing hides under compute
-                self.clocks.wait_until(live, end)
             self._in_flight[leaving] = (self._mean(delta, live), list(live), end)
         if landing is not None:
             self._land(flat, landing)
