@@ -220,6 +220,8 @@ class ElasticTransport:
         """In-place mean over the quorum's admitted members; :class:`ElasticCollectiveError` if a member failed
         (``tensor`` is then undefined: callers restore it). A failure is counted once: in :attr:`failed_exchanges`
         when the all-reduce is a round's exchange (``round_exchange``, DiLoCo), else in :attr:`failed_collectives`.
+        Fewer than ``max(2, min_workers)`` admitted members is such a failure: a "mean" over this worker alone (the
+        others refused or silent) must not pass for an average (the end-of-fit average would commit it).
 
         gloo's all-reduce when every member is admitted and messages carry no tags; else a ring over the admitted
         members (:func:`~gasloc_lightning.comm.ring.ring_all_reduce_sum`), each chunk tagged if asked."""

@@ -16,7 +16,9 @@ not relayed to a third member, not replayed in another quorum (a fresh nonce, th
 answers wrongly, not at all within the deadline, or not in the expected shape is *refused* for the whole
 quorum: nothing of this worker's model is ever sent to it, and nothing it sends is read. A member that did not
 answer may be an honest one that was slow (a stall, a long heal): the transport reports that as a failed
-exchange, so the next quorum (a new id) challenges again; a wrong answer is not reported (the quorum stays). What happens then
+exchange, once per member set, so the next quorum (a new id) challenges again; a wrong answer is not reported (the
+quorum stays). No wait of the challenge ever times out on the group: on gloo that would close every connection of
+the group, and one silent member would make the honest ones refuse each other (see :func:`_exchange`). What happens then
 (:mod:`~gasloc_lightning.comm.elastic_transport`): a gossip round draws its pairs over the admitted members
 only; an all-reduce runs as a ring over the admitted members (point to point on the same group: gloo's own
 all-reduce would hand the refused member partial sums). Every honest member refuses the intruder, so the
@@ -97,7 +99,8 @@ def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: 
     """Challenge every other member of the quorum over ``pg`` (ranks = indices in ``members``); returns who is
     admitted and who is refused. Each of the two steps waits at most ``timeout`` seconds, the second from when
     the first ended: a silent member spends the first step's deadline on every member alike, and the members
-    that did answer still have a whole deadline to exchange their answers."""
+    that did answer still have a whole deadline to exchange their answers, on connections that the silent
+    member's deadline left open (no gloo wait times out: :func:`_exchange`)."""
     me, deadline = members[index], time.monotonic() + timeout
     peers = [peer for peer in range(len(members)) if peer != index]
     mine = {peer: authenticator.nonce() for peer in peers}
