@@ -272,3 +272,133 @@ def test_a_member_that_does_not_answer_is_refused_and_reported_so_the_next_quoru
     transports = {rank: _elastic_transport(mailbox, rank, SECRET, tagged=False) for rank in (0, 1)}
     assert _run([0, 1], lambda rank: transports[rank].admitted()) == [(0, 1), (0, 1)]
     assert all("no answer to the member challenge from worker_0002" in str(t.take_error()) for t in transports.values())
+
+
+# ---------------------------------------------------------------- on real gloo (torchft's reconfigurable group)
+# The mailbox above fails one receive alone; on gloo a wait that times out closes every connection of the group
+# ("Application timeout caused pair closure"), so these run the challenge on the group the workers use.
+
+
+@pytest.fixture
+def gloo_groups():
+    """``make(n)``: ``n`` BoundProcessGroupGloo ranks of one fresh group on 127.0.0.1 (configured in threads, as
+    ranks must rendezvous together); every group is closed at the end."""
+    from torch.distributed import TCPStore
+
+    from gasloc_lightning.comm.endpoints import BoundProcessGroupGloo, Endpoint
+
+    made = []
+
+    def make(n: int) -> list:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
+        groups = [BoundProcessGroupGloo(endpoint=Endpoint(), timeout=timedelta(seconds=20)) for _ in range(n)]
+        made.append((store, groups))
+        address = f"127.0.0.1:{store.port}/quorum/{len(made)}"
+        _run(range(n), lambda rank: groups[rank].configure(address, f"r{rank}", rank, n))
+        return groups
+
+    yield make
+    for _, groups in made:
+        for group in groups:
+            group.close()
+
+
+def _gloo_transport(group, rank: int, secret: bytes, members=MEMBERS, *, quorum_id: int = 7):
+    quorum = Quorum(quorum_id=quorum_id, members=members, index=rank, max_step=3, healed=False)
+    membership = SimpleNamespace(quorum=quorum, process_group=group, gossip_timeout=1.0, min_workers=1,
+                                 name=members[rank].split(":")[0])
+    return ElasticTransport(6, membership, member_auth=MemberAuthenticator(secret))
+
+
+def _answer_late(group, rank: int, peers: list[int]) -> None:
+    """The silent member finally posts the challenge's first step (what the honest members left pending), so no
+    wait is still pending when the test process exits."""
+    works = []
+    for peer in peers:
+        works += [group.recv([torch.zeros(32, dtype=torch.uint8)], peer, NONCE_TAG),
+                  group.send([torch.zeros(32, dtype=torch.uint8)], peer, NONCE_TAG)]
+    for work in works:
+        work.wait(timedelta(seconds=10))
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("member-auth-wait") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # bounded failure deadline: the honest members' leftover waits end on those messages
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_a_silent_member_leaves_the_honest_ones_admitting_and_averaging_with_each_other(gloo_groups):
+    groups = gloo_groups(3)  # rank 2 joined the group (it is in the quorum) and never answers
+    transports = {rank: _gloo_transport(groups[rank], rank, SECRET) for rank in (0, 1)}
+
+    def one(rank):
+        admitted = transports[rank].admitted()
+        return admitted, transports[rank].all_reduce_mean(torch.full((6,), 2.0 * rank)).tolist()
+
+    try:
+        outcomes = _run([0, 1], one)
+    finally:
+        _answer_late(groups[2], 2, [0, 1])
+    assert [admitted for admitted, _ in outcomes] == [(0, 1), (0, 1)]
+    assert [mean for _, mean in outcomes] == [[1.0] * 6] * 2  # the mean of the two honest members
+    assert [transports[rank].failed_collectives for rank in (0, 1)] == [0, 0]
+    assert all("no answer to the member challenge from worker_0002" in str(t.take_error()) for t in transports.values())
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_a_silent_member_is_reported_once_per_member_set_not_every_quorum(gloo_groups):
+    first, second = gloo_groups(3), gloo_groups(3)
+    transports = {rank: _gloo_transport(first[rank], rank, SECRET) for rank in (0, 1)}
+    reported = []
+    for quorum_id, groups in ((7, first), (8, second)):  # the same members meet again in a new quorum (new group)
+        for rank in (0, 1):
+            membership = transports[rank].membership
+            membership.quorum = Quorum(quorum_id=quorum_id, members=MEMBERS, index=rank, max_step=3, healed=False)
+            membership.process_group = groups[rank]
+        try:
+            assert _run([0, 1], lambda rank: transports[rank].admitted()) == [(0, 1), (0, 1)]
+        finally:
+            _answer_late(groups[2], 2, [0, 1])
+        reported.append([transports[rank].take_error() is not None for rank in (0, 1)])
+    assert reported == [[True, True], [False, False]]
+    assert [transports[rank].refused_members for rank in (0, 1)] == [2, 2]  # still refused (and counted) each time
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_a_mean_over_this_worker_alone_is_a_counted_failure_and_the_final_average_does_not_complete(
+        gloo_groups):
+    from gasloc_lightning.comm.faults import FaultPoints
+    from gasloc_lightning.comm.run_end import is_final
+    from gasloc_lightning.strategies.final_average import FinalAverage
+
+    groups = gloo_groups(2)  # two members that refuse each other (different secrets): each admits only itself
+    members = MEMBERS[:2]
+    transports = {rank: _gloo_transport(groups[rank], rank, secret, members)
+                  for rank, secret in ((0, SECRET), (1, b"another-run"))}
+    outcomes = {}
+
+    def one(rank):
+        transport = transports[rank]
+        membership = transport.membership
+        membership.quorum_timeout, membership.run_tag, commits = 0.0, 0, []
+        membership.commit = lambda step, error: commits.append((step, error))
+        membership.start_quorum = lambda: Quorum(  # the lighthouse's decision: the highest step committed
+            quorum_id=8, members=members, index=rank, max_step=max(step for step, _ in commits), healed=False)
+
+        def average_once() -> bool:  # as the elastic strategy's: completed = no new failed collective
+            failures = transport.failed_collectives
+            try:
+                transport.all_reduce_mean(torch.full((6,), float(rank)))
+            except ElasticCollectiveError:
+                pass
+            return transport.failed_collectives == failures
+
+        done = FinalAverage(membership, average_once=average_once, restore_own=lambda: None,
+                            take_error=transport.take_error, leaving=lambda: False, faults=FaultPoints(None, worker=membership.name, known=()),
+                            quorum_formed=lambda: None).run(3)
+        outcomes[rank] = (done, commits)
+
+    _run([0, 1], one)
+    for rank in (0, 1):
+        done, commits = outcomes[rank]
+        assert [step for step, _ in commits] == [3] and not is_final(commits[0][0])  # the final step never committed
+        assert done is False and transports[rank].failed_collectives == 1
+        assert "admitted" in str(commits[0][1])

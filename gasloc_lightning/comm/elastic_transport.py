@@ -76,6 +76,7 @@ class ElasticTransport:
         self._quorum_key: tuple | None = None  # the quorum the two below belong to
         self._check: MemberCheck | None = None
         self._collectives = 0  # all-reduces in this quorum: bound into the ring's tags (no replay across them)
+        self._silent_reported: set[tuple[str, ...]] = set()  # member sets whose silent members were reported
 
     @property
     def rank(self) -> int:
@@ -99,7 +100,12 @@ class ElasticTransport:
                                          members=quorum.members, index=quorum.index,
                                          authenticator=self.member_auth, timeout=self.timeout)
             self.refused_members += len(self._check.refused)
-            if self._check.unanswered:  # maybe an honest member that was slow: the next quorum challenges again
+            if self._check.unanswered and quorum.members not in self._silent_reported:
+                # Maybe an honest member that was slow: reported (the next quorum challenges again), but once per
+                # member set: a member that stays silent (an intruder) would else cost a new quorum and a
+                # challenge deadline every round; the second time the same members meet, the silent ones stay
+                # refused for that quorum's life and the others exchange.
+                self._silent_reported.add(quorum.members)
                 self.error = self.error or RuntimeError(
                     "no answer to the member challenge from " + ",".join(quorum.names[i] for i in self._check.unanswered))
         return self._check.admitted
@@ -214,13 +220,15 @@ class ElasticTransport:
         """In-place mean over the quorum's admitted members; :class:`ElasticCollectiveError` if a member failed
         (``tensor`` is then undefined: callers restore it). A failure is counted once: in :attr:`failed_exchanges`
         when the all-reduce is a round's exchange (``round_exchange``, DiLoCo), else in :attr:`failed_collectives`.
+        Fewer than ``max(2, min_workers)`` admitted members is such a failure: a "mean" over this worker alone (the
+        others refused or silent) must not pass for an average (the end-of-fit average would commit it).
 
         gloo's all-reduce when every member is admitted and messages carry no tags; else a ring over the admitted
         members (:func:`~gasloc_lightning.comm.ring.ring_all_reduce_sum`), each chunk tagged if asked."""
         if self.world_size <= 1:
             return tensor
         try:
-            ring = self._all_reduce_sum(tensor)
+            ring = self._all_reduce_sum(tensor, least=max(2, getattr(self.membership, "min_workers", 1)))
         except Exception as error:
             if isinstance(error, UnauthenticMessageError):
                 self.unauthentic_messages += 1
@@ -231,8 +239,6 @@ class ElasticTransport:
             self.error = self.error or error
             raise ElasticCollectiveError(f"all-reduce over {self.world_size} workers failed: "
                                          f"{_first_line(error)}") from error
-        if len(ring) <= 1:  # every other member was refused: the mean is this worker's own
-            return tensor
         tensor.div_(len(ring))
         volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), len(ring))
         self.counters.bytes_sent += volume
@@ -245,8 +251,9 @@ class ElasticTransport:
         exchange nor as a failure here (the caller decides); returns the admitted quorum indices."""
         return self._all_reduce_sum(tensor)
 
-    def _all_reduce_sum(self, tensor: Tensor) -> tuple[int, ...]:
-        """Sum ``tensor`` in place over the admitted members; returns them."""
+    def _all_reduce_sum(self, tensor: Tensor, *, least: int = 1) -> tuple[int, ...]:
+        """Sum ``tensor`` in place over the admitted members; returns them. ``RuntimeError`` when fewer than
+        ``least`` are admitted (a mean over this worker alone is no average: it must not pass for one)."""
         from torch.distributed import AllreduceOptions, ReduceOp
 
         quorum = self.membership.quorum
@@ -254,6 +261,9 @@ class ElasticTransport:
             raise RuntimeError(f"unusable quorum: {quorum.error}")
         ring = self.admitted()
         self._collectives += 1
+        if len(ring) < least:
+            raise RuntimeError(f"only {len(ring)} of the quorum's {quorum.size} members admitted (at least {least} "
+                               "needed): the others were refused or did not answer their challenge")
         if len(ring) <= 1:
             return ring
         if self.message_auth is None and len(ring) == quorum.size:

@@ -16,7 +16,9 @@ not relayed to a third member, not replayed in another quorum (a fresh nonce, th
 answers wrongly, not at all within the deadline, or not in the expected shape is *refused* for the whole
 quorum: nothing of this worker's model is ever sent to it, and nothing it sends is read. A member that did not
 answer may be an honest one that was slow (a stall, a long heal): the transport reports that as a failed
-exchange, so the next quorum (a new id) challenges again; a wrong answer is not reported (the quorum stays). What happens then
+exchange, once per member set, so the next quorum (a new id) challenges again; a wrong answer is not reported (the
+quorum stays). No wait of the challenge ever times out on the group: on gloo that would close every connection of
+the group, and one silent member would make the honest ones refuse each other (see :func:`_exchange`). What happens then
 (:mod:`~gasloc_lightning.comm.elastic_transport`): a gossip round draws its pairs over the admitted members
 only; an all-reduce runs as a ring over the admitted members (point to point on the same group: gloo's own
 all-reduce would hand the refused member partial sums). Every honest member refuses the intruder, so the
@@ -32,6 +34,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,7 +99,8 @@ def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: 
     """Challenge every other member of the quorum over ``pg`` (ranks = indices in ``members``); returns who is
     admitted and who is refused. Each of the two steps waits at most ``timeout`` seconds, the second from when
     the first ended: a silent member spends the first step's deadline on every member alike, and the members
-    that did answer still have a whole deadline to exchange their answers."""
+    that did answer still have a whole deadline to exchange their answers, on connections that the silent
+    member's deadline left open (no gloo wait times out: :func:`_exchange`)."""
     me, deadline = members[index], time.monotonic() + timeout
     peers = [peer for peer in range(len(members)) if peer != index]
     mine = {peer: authenticator.nonce() for peer in peers}
@@ -121,24 +125,51 @@ def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: 
 
 def _exchange(pg: Any, peers: list[int], outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor],
               tag: int, deadline: float) -> list[int]:
-    """Send ``outgoing[p]`` to and receive ``incoming[p]`` from every peer at once; the peers that completed."""
-    works = {}
+    """Send ``outgoing[p]`` to and receive ``incoming[p]`` from every peer at once; the peers that completed by
+    ``deadline``.
+
+    Why threads and not ``work.wait(timeout)``: on gloo a wait that times out closes *every* connection of the
+    group ("Application timeout caused pair closure"), so one silent member would cut the honest members off from
+    each other; and a gloo send/recv reports ``is_completed()`` only once waited on, so it cannot be polled. Each
+    peer's pair is waited on by a daemon thread with a long timeout (:data:`LEFTOVER_WAIT`); this call returns at
+    the deadline and leaves a silent peer's pair pending in its thread. Harmless: that peer is refused, so nothing
+    else of this group is ever sent to it or read from it (a late message of its lands in the abandoned buffer),
+    the honest members use other tags on this group, and torchft builds a new group (a new gloo context, new
+    connections) at the next quorum. The thread, and the old group it holds, go when the message arrives, the
+    connection closes, or :data:`LEFTOVER_WAIT` passes (that timeout then closes the old group's connections:
+    if its quorum is still in use by then, its exchanges fail, are reported, and the next quorum challenges
+    again)."""
+    done: list[int] = []
+    threads = []
     for peer in peers:
         try:  # every receive and send posted before any wait, receive first (see elastic_transport.post)
-            works[peer] = [pg.recv([incoming[peer]], peer, tag), pg.send([outgoing[peer]], peer, tag)]
+            pair = [pg.recv([incoming[peer]], peer, tag), pg.send([outgoing[peer]], peer, tag)]
         except Exception as error:  # noqa: BLE001 - an unconfigured group raises AssertionError
             log.debug("challenge not posted peer=%d: %s", peer, error)
-    done = []
-    for peer, pair in works.items():
-        failed = False
-        for work in pair:  # wait for both even after a failure: none is left half posted
-            try:
-                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except Exception:  # noqa: BLE001 - a timeout, a closed connection, a size mismatch
-                failed = True
-        if not failed:
-            done.append(peer)
-    return done
+            continue
+        thread = threading.Thread(target=_wait_pair, args=(pair, peer, done), daemon=True,
+                                  name=f"member-auth-wait-{peer}")
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with _DONE_LOCK:
+        return [peer for peer in peers if peer in done]
+
+
+LEFTOVER_WAIT = timedelta(hours=6)  # how long an abandoned challenge op stays posted (see _exchange)
+_DONE_LOCK = threading.Lock()
+
+
+def _wait_pair(pair: list[Any], peer: int, done: list[int]) -> None:
+    try:
+        for work in pair:
+            work.wait(LEFTOVER_WAIT)
+    except Exception as error:  # noqa: BLE001 - a closed connection, a size mismatch, the leftover timeout
+        log.debug("challenge failed peer=%d: %s", peer, error)
+        return
+    with _DONE_LOCK:
+        done.append(peer)
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:
