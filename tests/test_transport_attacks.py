@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import signal
 import socket
 import struct
 import threading
@@ -314,6 +315,54 @@ def test_tensors_without_dense_cpu_data_are_refused_by_the_transport(make_transp
     received = wire.load_state(wire.dump_state({"x": tensor()}))
     with pytest.raises(UnsafePayloadError, match="state.x"):
         wire.check_plain(received, finite=True)
+
+
+# ------------------------------------------------------------------ shared and cyclic references (review of issue 34)
+@pytest.fixture
+def deadline():
+    """Turn a check that never ends (the walk of a graph of 2^60 paths) into a failure after ``seconds``."""
+    def expire(signum, frame):
+        raise TimeoutError("the check did not end")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    yield lambda seconds: signal.alarm(seconds)
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def doubling_graph(levels: int) -> list:
+    node = [torch.zeros(1)]
+    for _ in range(levels):
+        node = [node, node]  # torch.save keeps the shared reference: 2^levels paths in a few KB
+    return node
+
+
+def self_holding_list() -> list:
+    node = [torch.zeros(1)]
+    node.append(node)
+    return node
+
+
+@pytest.mark.parametrize("build", [pytest.param(lambda: doubling_graph(60), id="2^60-paths"),
+                                   pytest.param(self_holding_list, id="cycle")])
+def test_a_payload_of_shared_or_cyclic_references_is_refused_quickly(build, deadline):
+    payload = wire.dump_state({"live": build()})
+    assert len(payload) < 4 << 10
+    received = wire.load_state(payload, max_bytes=len(payload))
+    deadline(10)  # the old walk never ends (and a cycle grows its stack without bound)
+    with pytest.raises(UnsafePayloadError, match="reached a second time"):
+        wire.check_plain(received, finite=False)
+
+
+def test_a_shared_tuple_of_plain_data_passes_as_in_an_optimizer_with_two_param_groups():
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW([{"params": first.parameters()}, {"params": second.parameters(), "lr": 0.1}])
+    sum(p.sum() for p in [*first.parameters(), *second.parameters()]).backward()
+    optimizer.step()
+    received = wire.load_state(wire.dump_state({"optimizer": optimizer.state_dict()}))
+    groups = received["optimizer"]["param_groups"]
+    assert groups[0]["betas"] is groups[1]["betas"]  # one tuple, shared (the optimizer's defaults)
+    wire.check_plain(received)
 
 
 def stepped_model():

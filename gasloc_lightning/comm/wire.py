@@ -163,15 +163,32 @@ def _check_same_kind(path: str, got: Any, want: Any) -> None:
 
 def _leaves(state: Any, path: str):
     # Iterative so that a deeply nested payload fails a check instead of the interpreter's recursion limit.
+    # torch.save keeps shared references and torch.load(weights_only=True) rebuilds them, so a payload of a few KB
+    # can be a graph of 2^60 paths (each list holding the previous one twice) or a list that holds itself: a walk
+    # that keeps no record of what it visited never ends. Every container is therefore walked once. One seen a
+    # second time is refused, except a tuple of plain data only (an optimizer's param groups share the one
+    # `betas` tuple of its defaults): it holds no container, so sharing it cannot multiply anything, and it was
+    # already checked, so it is skipped.
+    seen: set[int] = set()
+    flat: set[int] = set()
     stack = [(path, state)]
     while stack:
         here, node = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            if id(node) in seen:
+                if id(node) in flat:
+                    continue
+                raise UnsafePayloadError(f"{here}: a {type(node).__name__} reached a second time (a shared or "
+                                         "cyclic reference, which a worker's state holds only as tuples of plain data)")
+            seen.add(id(node))
         if isinstance(node, dict):
             for key in node:
                 if type(key) not in PLAIN_TYPES:
                     raise UnsafePayloadError(f"{here}: key of type {type(key).__name__}, expected plain data")
             stack.extend((f"{here}.{key}", node[key]) for key in reversed(list(node)))
         elif isinstance(node, (list, tuple)):
+            if type(node) is tuple and all(type(item) in PLAIN_TYPES for item in node):
+                flat.add(id(node))
             stack.extend((f"{here}.{index}", item) for index, item in reversed(list(enumerate(node))))
         else:
             yield here, node
