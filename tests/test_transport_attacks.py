@@ -140,6 +140,27 @@ def test_a_captured_request_is_answered_once(make_transport, monkeypatch):
     assert honest.served == 1
 
 
+def test_a_request_captured_before_a_restart_is_refused_by_the_new_server_at_the_same_address(make_transport,
+                                                                                             monkeypatch):
+    """The nonce cache lives as long as one server: a worker restarted at the same advertise:port that stages the
+    same step has never seen the captured nonce. The request is signed for the server's random instance id."""
+    before = make_transport()
+    request = capture_a_request(monkeypatch, before, 3)
+    port = before.port
+    before.shutdown()
+    resolve = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, _, *args, **kwargs: resolve(host, port, *args, **kwargs))
+    restarted = make_transport()
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert restarted.port == port and restarted.instance != before.instance
+    restarted.send_checkpoint([1], 3, {"live": torch.full((256,), MARK)}, None)
+    response = exchange(port, request)
+    assert response.startswith(b"HTTP/1.0 403") and MARK_BYTES not in response, response[:80]
+    assert restarted.served == 0
+    received = make_transport().recv_checkpoint(0, restarted.metadata(), 3, 5.0)  # a fresh request is served
+    assert torch.equal(received["live"], torch.full((256,), MARK))
+
+
 def test_a_request_for_a_step_not_staged_yet_is_not_held_and_never_answered_with_that_state(make_transport,
                                                                                             monkeypatch):
     honest = make_transport(timeout=5.0)
