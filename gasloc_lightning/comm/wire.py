@@ -2,11 +2,13 @@
 
 A peer's state (a heal) arrives as bytes. :func:`load_state` loads them with ``torch.load(weights_only=True)``
 onto the CPU, so a payload never runs code: a crafted pickle is refused with :class:`UnsafePayloadError`,
-whoever signed it. Before that, the archive is checked as torch's own reader sees it (the records it would read
-fit in the payload side by side), so nothing inflates. Two checks then look at what was built:
+whoever signed it. Before that, the zip structure is parsed from the bytes (only stored entries, laid out as
+torch.save writes them) before torch's reader is built, and the reader then confirms the records it would read
+fit in the payload side by side: nothing inflates beyond the payload. Two checks then look at what was built:
 
 - :func:`check_plain`: only dicts, lists and tuples of dense CPU tensors that own their data (no meta, sparse
-  or quantized tensor) and plain data (None, bool, int, float, str) anywhere, with plain keys;
+  or quantized tensor) and plain data (None, bool, int, float, str) anywhere, with plain keys, each container
+  reached once (no shared or cyclic references, but for tuples of plain data);
 - :func:`check_like`: the exact structure of a reference this worker built itself (same keys, list lengths,
   tensor shapes and dtypes, finite floating tensors). The caller decides which subtrees it compares
   (e.g. the model's tensors always; an optimizer that has not stepped yet has no state to compare with).
@@ -78,8 +80,8 @@ def _check_archive(buffer: io.BytesIO, length: int) -> None:
     # torch.save writes passes, and what passes cannot inflate. Torch's own reader then confirms, where this torch
     # can tell it, that the records it reads are the ones parsed.
     _check_zip_layout(buffer.getbuffer(), length)
-    if not hasattr(torch._C.PyTorchFileReader, "get_record_size"):  # older torch: the strict parse alone decides
-        return
+    if not all(hasattr(torch._C.PyTorchFileReader, name) for name in ("get_record_size", "get_record_offset")):
+        return  # an older torch cannot say where its records lie: the strict parse above decides alone
     try:
         reader = torch._C.PyTorchFileReader(buffer)
         records = sorted((reader.get_record_offset(name), reader.get_record_size(name), name)
