@@ -273,7 +273,8 @@ def test_unauthenticated_requests_get_403_and_no_state(make_transport):
     transport.send_checkpoint([1], 3, {"live": torch.full((256,), MARK)}, None)
     mark_bytes = torch.full((4,), MARK).numpy().tobytes()
     url = f"http://127.0.0.1:{transport.port}/state/3"
-    wrong = signed_request(3, transport.port, transport.instance, secret=b"not the run secret").decode().split("\r\n")[2:4]
+    wrong = signed_request(3, transport.port, transport.instance, secret=b"not the run secret")
+    wrong = wrong.decode().split("\r\n")[2:4]
     requests = [urllib.request.Request(url),
                 urllib.request.Request(url, headers=dict(line.split(": ", 1) for line in wrong))]
     for request in requests:

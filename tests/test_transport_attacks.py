@@ -363,6 +363,45 @@ def test_a_zip_layout_torch_save_does_not_write_is_refused(damage):
         wire.load_state(bytes(payload))
 
 
+def as_zip64(payload: bytes) -> bytes:
+    """``payload`` as the zip64 form miniz writes for archives over 4 GB: 32-bit sentinels in the central directory
+    and the end record, the values in zip64 fields and a zip64 end record with its locator (no 4 GB allocated)."""
+    end = len(payload) - 22
+    _, _, _, n_disk, n, size, offset, _ = struct.unpack_from("<IHHHHIIH", payload, end)
+    out, pos = bytearray(), offset
+    for _ in range(n):
+        head = bytearray(payload[pos:pos + 46])
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", head, 28)
+        usize, csize = struct.unpack_from("<II", head, 20)
+        local = struct.unpack_from("<I", head, 42)[0]
+        struct.pack_into("<II", head, 20, 0xFFFFFFFF, 0xFFFFFFFF)
+        struct.pack_into("<I", head, 42, 0xFFFFFFFF)
+        extra = struct.pack("<HHQQQ", 1, 24, usize, csize, local)
+        struct.pack_into("<H", head, 30, extra_len + len(extra))
+        name = payload[pos + 46:pos + 46 + name_len]
+        old_extra = payload[pos + 46 + name_len:pos + 46 + name_len + extra_len]
+        comment_at = pos + 46 + name_len + extra_len
+        out += head + name + old_extra + extra + payload[comment_at:comment_at + comment_len]
+        pos += 46 + name_len + extra_len + comment_len
+    body = payload[:offset] + bytes(out)
+    end64_at = len(body)
+    end64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(out), offset)
+    locator = struct.pack("<IIQI", 0x07064B50, 0, end64_at, 1)
+    eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    return body + end64 + locator + eocd
+
+
+def test_the_zip64_form_of_an_archive_is_taken_and_a_disagreeing_zip64_record_is_refused():
+    state = {"w": torch.arange(10.0), "b": [1, 2]}
+    payload = as_zip64(wire.dump_state(state))
+    assert torch.equal(wire.load_state(payload)["w"], state["w"])  # what torch reads, the strict parse takes
+    shifted = bytearray(payload)  # the zip64 end record names another directory offset than the real one
+    end64_at = len(payload) - 22 - 20 - 56
+    struct.pack_into("<Q", shifted, end64_at + 48, struct.unpack_from("<Q", payload, end64_at + 48)[0] - 1)
+    with pytest.raises(UnsafePayloadError, match="not a torch archive as torch.save writes it"):
+        wire.load_state(bytes(shifted))
+
+
 # ------------------------------------------------------------------ 5. tensors without data, half-applied states
 @pytest.mark.parametrize("tensor", [
     pytest.param(lambda: torch.empty(2 ** 40, device="meta"), id="meta-2^40"),

@@ -6,10 +6,11 @@ it fetches (``weights_only=False``: a rogue peer runs code on the joiner), liste
 anyone, and its ``disallow_checkpoint`` waits on a lock that a slow reader holds, so a slow reader makes
 ``Manager.should_commit`` raise. This transport replaces it:
 
-- it listens on ``bind`` only (an ephemeral port) and advertises ``http://advertise:port``;
+- it listens on ``bind`` only (an ephemeral port) and advertises ``http://advertise:port/instance`` (a random
+  id drawn at start);
 - both directions are signed with the run's secret (HMAC-SHA256, :mod:`~gasloc_lightning.comm.wire`): the
-  request over (the server it is addressed to: its address and a random instance id, step, a fresh nonce), the response over (step, nonce, sha256
-  of the body). The server answers only members of the run, only requests addressed to itself (a heal source
+  request over (the server it is addressed to: its address and instance; step; a fresh nonce), the response
+  over (step, nonce, sha256 of the body). The server answers only members of the run, only requests addressed to itself (a heal source
   without the secret cannot relay a joiner's request to an honest member, nor replay one to a restarted
   server at the same address), and each nonce once (no replay);
   the client takes a state only from a member;

@@ -128,7 +128,8 @@ def _check_zip_layout(data: memoryview, length: int) -> None:
             refuse("a zip64 locator that does not point right before itself")
         (signature, record_size, _, _, disk, directory_disk, on_disk64, entries64, size64,
          offset64) = _END64.unpack_from(data, end64_at)
-        if signature != 0x06064B50 or record_size != _END64.size - 12 or disk or directory_disk or on_disk64 != entries64:
+        if (signature != 0x06064B50 or record_size != _END64.size - 12 or disk or directory_disk
+                or on_disk64 != entries64):
             refuse("a zip64 end record that is not one plain record")
         for value, value64, sentinel in ((entries, entries64, _SENTINEL16), (size, size64, _SENTINEL32),
                                          (offset, offset64, _SENTINEL32)):
