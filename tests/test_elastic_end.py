@@ -23,7 +23,8 @@ from gasloc_lightning.app.elastic import ELASTIC_SUMMARY_FILE, free_port, lighth
 from gasloc_lightning.app.elastic_worker import read_progress  # noqa: E402
 from gasloc_lightning.comm.elastic_transport import ElasticTransport  # noqa: E402
 from gasloc_lightning.comm.faults import FAULT_ENV, FaultPoints, InjectedFault  # noqa: E402
-from gasloc_lightning.comm.lineage import Lineage, LineageTracker, quorum_token  # noqa: E402
+from gasloc_lightning.comm.lineage import (  # noqa: E402
+    Lineage, LineageExchangeError, LineageTracker, gather_lineages, quorum_token)
 from gasloc_lightning.comm.membership import (  # noqa: E402
     ElasticMembership,
     Quorum,
@@ -114,6 +115,51 @@ def test_lineages_name_the_quorum_that_committed_and_travel_as_plain_state():
     assert other.lineage.round == 7
     with pytest.raises(ValueError, match="lineage"):
         other.load_state_dict([7, -1])
+
+
+class _HostileSum:
+    """A stand-in for the transport's admitted-member sum in which member 2 (admitted: it may know the secret) adds
+    ``rows`` (member-major, 3 columns) to the sum, as the intruder of the review did (round -= 2^62 on every row)."""
+
+    def __init__(self, rows: list[list[int]]):
+        self.rows = torch.tensor(rows, dtype=torch.int64)
+        self.membership = type("Membership", (), {"name": "worker_0000"})()
+
+    def all_reduce_sum(self, tensor):
+        honest = torch.zeros_like(self.rows)
+        honest[1] = torch.tensor([1, 10, 77])  # worker_0001's row, as an honest member writes it
+        tensor.view(-1, 3).add_(honest + self.rows)  # this worker's own row is already in the tensor
+        return (0, 1, 2)
+
+
+@pytest.mark.parametrize("hostile", [
+    pytest.param([[0, -(1 << 62), 0], [0, -(1 << 62), 0], [1, 5, 12345]], id="rounds-minus-2^62"),
+    pytest.param([[0, 0, 0], [0, 0, 0], [1, -1, 12345]], id="negative-round"),
+    pytest.param([[0, 0, 0], [0, 0, 0], [1, 11, 12345]], id="round-past-max_step"),
+    pytest.param([[0, 0, 0], [0, 0, 0], [1, 10, -5]], id="negative-token"),
+    pytest.param([[0, 0, 0], [0, 0, 0], [1, 10, 1 << 62]], id="token-of-63-bits"),
+    pytest.param([[0, 0, 0], [1, 0, 0], [1, 10, 12345]], id="a-row-written-twice"),
+    pytest.param([[0, 0, 0], [0, 0, 0], [0, 10, 12345]], id="a-row-not-written"),
+])
+def test_a_lineage_row_an_honest_member_cannot_write_is_refused_and_nothing_changes(hostile):
+    quorum = Quorum(quorum_id=7, members=("worker_0000:a", "worker_0001:b", "worker_0002:c"), index=0, max_step=10,
+                    healed=False)
+    tracker = LineageTracker()
+    tracker.committed(10, _fake_quorum(6, ("worker_0000:a", "worker_0001:b")))
+    history, point = tracker.state_dict(), torch.ones(4)
+    with pytest.raises(LineageExchangeError, match="member [012] gave"):
+        tracker.reconcile(quorum, _HostileSum(hostile), point)
+    assert tracker.state_dict() == history and tracker.merges == 0
+    torch.testing.assert_close(point, torch.ones(4))
+    assert tracker.needs_meeting(quorum)  # the next quorum meets again
+
+
+def test_lineage_rows_an_honest_member_writes_pass():
+    quorum = Quorum(quorum_id=7, members=("worker_0000:a", "worker_0001:b", "worker_0002:c"), index=0, max_step=10,
+                    healed=False)
+    mine = Lineage(10, quorum_token(_fake_quorum(6, ("worker_0000:a",))))
+    lineages = gather_lineages(_HostileSum([[0, 0, 0], [0, 0, 0], [1, 0, (1 << 62) - 1]]), quorum, mine)
+    assert lineages == (mine, Lineage(10, 77), Lineage(0, (1 << 62) - 1))
 
 
 def test_a_heal_that_replaces_a_diverged_side_counts_as_a_merge_and_a_laggard_does_not(caplog):

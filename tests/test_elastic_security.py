@@ -223,9 +223,10 @@ def test_connect_and_shutdown_in_process_leave_no_socket_or_thread(lighthouse):
 
 def _hold_a_download_open(address: str, step: int) -> socket.socket:
     """A member that knows the secret asks for the state of ``step`` and then reads nothing (a slow link)."""
-    host, port = address.removeprefix("http://").rsplit(":", 1)
+    target = address.removeprefix("http://")  # host:port/instance, what a request is signed for
+    host, port = target.split("/", 1)[0].rsplit(":", 1)
     nonce = secrets.token_hex(16)
-    mac = sign(SECRET, b"request", f"{host}:{port}".encode(), str(step).encode(), nonce.encode())
+    mac = sign(SECRET, b"request", target.encode(), str(step).encode(), nonce.encode())
     client = socket.create_connection((host, int(port)), timeout=5)
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.sendall(f"GET /state/{step} HTTP/1.0\r\n{NONCE_HEADER}: {nonce}\r\n{MAC_HEADER}: {mac}\r\n\r\n".encode())

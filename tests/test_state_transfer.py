@@ -90,10 +90,10 @@ def assert_same(got, want, path="state"):
         assert got == want, path
 
 
-def signed_request(step: int, port: int, secret: bytes = SECRET, host: str = "127.0.0.1") -> bytes:
-    """A member's request for ``step``, signed for the server at ``host:port``."""
+def signed_request(step: int, port: int, instance: str, secret: bytes = SECRET, host: str = "127.0.0.1") -> bytes:
+    """A member's request for ``step``, signed for the server ``instance`` at ``host:port``."""
     nonce = secrets.token_hex(16)
-    mac = wire.sign(secret, b"request", f"{host}:{port}".encode(), str(step).encode(), nonce.encode())
+    mac = wire.sign(secret, b"request", f"{host}:{port}/{instance}".encode(), str(step).encode(), nonce.encode())
     return (f"GET /state/{step} HTTP/1.0\r\nHost: {host}:{port}\r\n{NONCE_HEADER}: {nonce}\r\n"
             f"{MAC_HEADER}: {mac}\r\n\r\n").encode()
 
@@ -156,7 +156,7 @@ def test_load_state_refuses_oversized_compressed_and_garbage():
             zipfile.ZipFile(deflated, "w", zipfile.ZIP_DEFLATED) as out:
         for entry in source.infolist():
             out.writestr(entry.filename, source.read(entry))
-    with pytest.raises(UnsafePayloadError, match="compressed or overlapping"):
+    with pytest.raises(UnsafePayloadError, match="a compressed or encrypted entry"):
         wire.load_state(deflated.getvalue())
 
 
@@ -272,8 +272,9 @@ def test_unauthenticated_requests_get_403_and_no_state(make_transport):
     transport = make_transport()
     transport.send_checkpoint([1], 3, {"live": torch.full((256,), MARK)}, None)
     mark_bytes = torch.full((4,), MARK).numpy().tobytes()
-    url = f"{transport.metadata()}/state/3"
-    wrong = signed_request(3, transport.port, secret=b"not the run secret").decode().split("\r\n")[2:4]
+    url = f"http://127.0.0.1:{transport.port}/state/3"
+    wrong = signed_request(3, transport.port, transport.instance, secret=b"not the run secret")
+    wrong = wrong.decode().split("\r\n")[2:4]
     requests = [urllib.request.Request(url),
                 urllib.request.Request(url, headers=dict(line.split(": ", 1) for line in wrong))]
     for request in requests:
@@ -291,7 +292,7 @@ def test_slow_readers_never_block_disallow_or_other_clients(make_transport):
     stuck = socket.socket()
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.connect(("127.0.0.1", transport.port))
-    stuck.sendall(signed_request(3, transport.port))  # then never reads: the server's write blocks
+    stuck.sendall(signed_request(3, transport.port, transport.instance))  # then never reads: the server's write blocks
     half = socket.create_connection(("127.0.0.1", transport.port))
     half.sendall(b"GET /sta")  # and never finishes its request line, sending a byte now and then
     time.sleep(0.3)
@@ -376,8 +377,8 @@ def test_shutdown_closes_the_port_and_stops_the_thread(make_transport, wait):
 def test_each_transport_listens_on_its_own_address_only(make_transport):
     first = make_transport(bind="127.0.0.1")
     second = make_transport(bind="127.0.0.2", advertise="localhost")
-    assert first.metadata() == f"http://127.0.0.1:{first.port}"
-    assert second.metadata() == f"http://localhost:{second.port}"
+    assert first.metadata() == f"http://127.0.0.1:{first.port}/{first.instance}"
+    assert second.metadata() == f"http://localhost:{second.port}/{second.instance}"
     for transport, own, other in ((first, "127.0.0.1", "127.0.0.2"), (second, "127.0.0.2", "127.0.0.1")):
         socket.create_connection((own, transport.port), timeout=2).close()
         with pytest.raises(ConnectionRefusedError):
@@ -391,7 +392,7 @@ def test_ipv6_loopback_round_trip(make_transport):
         sender = make_transport(bind="::1")
     except ValueError as error:
         pytest.skip(f"no IPv6 loopback: {error}")
-    assert sender.metadata() == f"http://[::1]:{sender.port}"
+    assert sender.metadata() == f"http://[::1]:{sender.port}/{sender.instance}"
     sender.send_checkpoint([1], 7, {"live": torch.arange(4)}, None)
     received = make_transport().recv_checkpoint(0, sender.metadata(), 7, 5.0)
     assert torch.equal(received["live"], torch.arange(4))

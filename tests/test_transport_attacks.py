@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import signal
 import socket
 import struct
 import threading
@@ -137,6 +138,27 @@ def test_a_captured_request_is_answered_once(make_transport, monkeypatch):
     for replay in replays:
         assert replay.startswith(b"HTTP/1.0 403") and MARK_BYTES not in replay, replay[:80]
     assert honest.served == 1
+
+
+def test_a_request_captured_before_a_restart_is_refused_by_the_new_server_at_the_same_address(make_transport,
+                                                                                             monkeypatch):
+    """The nonce cache lives as long as one server: a worker restarted at the same advertise:port that stages the
+    same step has never seen the captured nonce. The request is signed for the server's random instance id."""
+    before = make_transport()
+    request = capture_a_request(monkeypatch, before, 3)
+    port = before.port
+    before.shutdown()
+    resolve = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, _, *args, **kwargs: resolve(host, port, *args, **kwargs))
+    restarted = make_transport()
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert restarted.port == port and restarted.instance != before.instance
+    restarted.send_checkpoint([1], 3, {"live": torch.full((256,), MARK)}, None)
+    response = exchange(port, request)
+    assert response.startswith(b"HTTP/1.0 403") and MARK_BYTES not in response, response[:80]
+    assert restarted.served == 0
+    received = make_transport().recv_checkpoint(0, restarted.metadata(), 3, 5.0)  # a fresh request is served
+    assert torch.equal(received["live"], torch.full((256,), MARK))
 
 
 def test_a_request_for_a_step_not_staged_yet_is_not_held_and_never_answered_with_that_state(make_transport,
@@ -295,8 +317,89 @@ def test_a_zip_bomb_that_zipfile_and_torch_read_differently_is_refused_before_it
         entries = archive.infolist()
     assert all(entry.compress_type == zipfile.ZIP_STORED for entry in entries)
     assert sum(entry.file_size for entry in entries) <= len(payload) < 64 << 10
-    with pytest.raises(UnsafePayloadError, match="compressed or overlapping"):
+    with pytest.raises(UnsafePayloadError, match="not a torch archive as torch.save writes it"):
         wire.load_state(payload, max_bytes=len(payload))
+
+
+@pytest.mark.parametrize("record", ["archive/version", "archive/.data/serialization_id", "archive/data.pkl"])
+def test_a_deflated_record_is_refused_before_torchs_reader_is_built(record, monkeypatch):
+    """Building torch's reader already inflates `version` and `.data/serialization_id` in full (1 MB of payload
+    took 6.5 s and 2 GB before it was refused): the zip structure is refused before any reader exists."""
+    original = wire.dump_state({"w": torch.zeros(4)})
+    deflated = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(original)) as source, zipfile.ZipFile(deflated, "w") as out:
+        for name in source.namelist():
+            data = source.read(name)
+            if name == record:
+                out.writestr(zipfile.ZipInfo(name), data + bytes(16 << 20), compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                out.writestr(zipfile.ZipInfo(name), data)
+    payload = deflated.getvalue()
+    assert len(payload) < 64 << 10
+    built = []
+    monkeypatch.setattr(torch._C, "PyTorchFileReader", lambda *args: built.append(args))
+    with pytest.raises(UnsafePayloadError, match="a compressed or encrypted entry"):
+        wire.load_state(payload, max_bytes=16 << 20)
+    assert built == []
+
+
+@pytest.mark.parametrize("damage", ["comment", "directory-offset", "overlap", "local-past-directory"])
+def test_a_zip_layout_torch_save_does_not_write_is_refused(damage):
+    payload = bytearray(wire.dump_state({"w": torch.zeros(4), "b": [1, 2]}))
+    end = len(payload) - 22
+    size, offset = struct.unpack_from("<II", payload, end + 12)
+    if damage == "comment":
+        struct.pack_into("<H", payload, end + 20, 3)
+        payload += b"abc"
+    elif damage == "directory-offset":
+        struct.pack_into("<I", payload, end + 16, offset - 1)
+    elif damage == "overlap":  # the second entry's local header offset -> the first one's
+        second = offset + 46 + struct.unpack_from("<H", payload, offset + 28)[0]
+        second += sum(struct.unpack_from("<HH", payload, offset + 30))
+        struct.pack_into("<I", payload, second + 42, struct.unpack_from("<I", payload, offset + 42)[0])
+    else:
+        struct.pack_into("<I", payload, offset + 42, offset - 10)
+    with pytest.raises(UnsafePayloadError, match="not a torch archive as torch.save writes it"):
+        wire.load_state(bytes(payload))
+
+
+def as_zip64(payload: bytes) -> bytes:
+    """``payload`` as the zip64 form miniz writes for archives over 4 GB: 32-bit sentinels in the central directory
+    and the end record, the values in zip64 fields and a zip64 end record with its locator (no 4 GB allocated)."""
+    end = len(payload) - 22
+    _, _, _, n_disk, n, size, offset, _ = struct.unpack_from("<IHHHHIIH", payload, end)
+    out, pos = bytearray(), offset
+    for _ in range(n):
+        head = bytearray(payload[pos:pos + 46])
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", head, 28)
+        usize, csize = struct.unpack_from("<II", head, 20)
+        local = struct.unpack_from("<I", head, 42)[0]
+        struct.pack_into("<II", head, 20, 0xFFFFFFFF, 0xFFFFFFFF)
+        struct.pack_into("<I", head, 42, 0xFFFFFFFF)
+        extra = struct.pack("<HHQQQ", 1, 24, usize, csize, local)
+        struct.pack_into("<H", head, 30, extra_len + len(extra))
+        name = payload[pos + 46:pos + 46 + name_len]
+        old_extra = payload[pos + 46 + name_len:pos + 46 + name_len + extra_len]
+        comment_at = pos + 46 + name_len + extra_len
+        out += head + name + old_extra + extra + payload[comment_at:comment_at + comment_len]
+        pos += 46 + name_len + extra_len + comment_len
+    body = payload[:offset] + bytes(out)
+    end64_at = len(body)
+    end64 = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(out), offset)
+    locator = struct.pack("<IIQI", 0x07064B50, 0, end64_at, 1)
+    eocd = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    return body + end64 + locator + eocd
+
+
+def test_the_zip64_form_of_an_archive_is_taken_and_a_disagreeing_zip64_record_is_refused():
+    state = {"w": torch.arange(10.0), "b": [1, 2]}
+    payload = as_zip64(wire.dump_state(state))
+    assert torch.equal(wire.load_state(payload)["w"], state["w"])  # what torch reads, the strict parse takes
+    shifted = bytearray(payload)  # the zip64 end record names another directory offset than the real one
+    end64_at = len(payload) - 22 - 20 - 56
+    struct.pack_into("<Q", shifted, end64_at + 48, struct.unpack_from("<Q", payload, end64_at + 48)[0] - 1)
+    with pytest.raises(UnsafePayloadError, match="not a torch archive as torch.save writes it"):
+        wire.load_state(bytes(shifted))
 
 
 # ------------------------------------------------------------------ 5. tensors without data, half-applied states
@@ -314,6 +417,54 @@ def test_tensors_without_dense_cpu_data_are_refused_by_the_transport(make_transp
     received = wire.load_state(wire.dump_state({"x": tensor()}))
     with pytest.raises(UnsafePayloadError, match="state.x"):
         wire.check_plain(received, finite=True)
+
+
+# ------------------------------------------------------------------ shared and cyclic references (review of issue 34)
+@pytest.fixture
+def deadline():
+    """Turn a check that never ends (the walk of a graph of 2^60 paths) into a failure after ``seconds``."""
+    def expire(signum, frame):
+        raise TimeoutError("the check did not end")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    yield lambda seconds: signal.alarm(seconds)
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def doubling_graph(levels: int) -> list:
+    node = [torch.zeros(1)]
+    for _ in range(levels):
+        node = [node, node]  # torch.save keeps the shared reference: 2^levels paths in a few KB
+    return node
+
+
+def self_holding_list() -> list:
+    node = [torch.zeros(1)]
+    node.append(node)
+    return node
+
+
+@pytest.mark.parametrize("build", [pytest.param(lambda: doubling_graph(60), id="2^60-paths"),
+                                   pytest.param(self_holding_list, id="cycle")])
+def test_a_payload_of_shared_or_cyclic_references_is_refused_quickly(build, deadline):
+    payload = wire.dump_state({"live": build()})
+    assert len(payload) < 4 << 10
+    received = wire.load_state(payload, max_bytes=len(payload))
+    deadline(10)  # the old walk never ends (and a cycle grows its stack without bound)
+    with pytest.raises(UnsafePayloadError, match="reached a second time"):
+        wire.check_plain(received, finite=False)
+
+
+def test_a_shared_tuple_of_plain_data_passes_as_in_an_optimizer_with_two_param_groups():
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW([{"params": first.parameters()}, {"params": second.parameters(), "lr": 0.1}])
+    sum(p.sum() for p in [*first.parameters(), *second.parameters()]).backward()
+    optimizer.step()
+    received = wire.load_state(wire.dump_state({"optimizer": optimizer.state_dict()}))
+    groups = received["optimizer"]["param_groups"]
+    assert groups[0]["betas"] is groups[1]["betas"]  # one tuple, shared (the optimizer's defaults)
+    wire.check_plain(received)
 
 
 def stepped_model():

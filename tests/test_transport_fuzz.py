@@ -87,9 +87,9 @@ def exchange(port: int, request: bytes) -> bytes:
         return bytes(data)
 
 
-def signed_request(step: int, port: int) -> bytes:
+def signed_request(step: int, port: int, instance: str) -> bytes:
     nonce = "ab" * 16
-    mac = wire.sign(SECRET, b"request", f"127.0.0.1:{port}".encode(), str(step).encode(), nonce.encode())
+    mac = wire.sign(SECRET, b"request", f"127.0.0.1:{port}/{instance}".encode(), str(step).encode(), nonce.encode())
     return (f"GET /state/{step} HTTP/1.0\r\nHost: 127.0.0.1:{port}\r\n{NONCE_HEADER}: {nonce}\r\n"
             f"{MAC_HEADER}: {mac}\r\n\r\n").encode()
 
@@ -99,7 +99,7 @@ def test_fuzzed_requests_never_get_a_state_they_did_not_sign_and_never_stop_the_
     receiver = AuthenticatedStateTransport(bind="127.0.0.1", secret=SECRET, timeout=3.0)
     try:
         server.send_checkpoint([1], 3, STATE, None)
-        valid = signed_request(3, server.port)
+        valid = signed_request(3, server.port, server.instance)
         mac_line = valid.split(b"\r\n")[3]
 
         @fuzz(100)

@@ -102,9 +102,17 @@ def gather_lineages(transport: ElasticTransport, quorum: Quorum, mine: Lineage) 
         admitted = transport.all_reduce_sum(rows.view(-1))
     except Exception as error:  # noqa: BLE001 - gloo raises RuntimeError, torchft's wrapper others
         raise LineageExchangeError(f"lineage exchange over {quorum.size} workers failed: {error}") from error
-    if not bool((rows[list(admitted), 0] == 1).all()):
-        raise LineageExchangeError(f"lineage exchange over {quorum.size} workers: rows {rows[:, 0].tolist()} "
-                                   "(a member wrote none or several)")
+    for index in admitted:
+        written, round_index, token = rows[index].tolist()
+        # An admitted member may still be dishonest (or torn): a row it cannot have written honestly is refused
+        # rather than taken into the history that tells a split from a laggard. Its round is at most the quorum's
+        # max_step (the most rounds any member committed; no meeting is held at the end-of-fit step), its token a
+        # quorum_token (62 bits).
+        if written != 1 or not 0 <= round_index <= quorum.max_step or not 0 <= token < 1 << 62:
+            raise LineageExchangeError(
+                f"lineage exchange over {quorum.size} workers: member {index} gave written={written} "
+                f"round={round_index} token={token} (expected written=1, 0 <= round <= max_step={quorum.max_step}, "
+                "0 <= token < 2^62)")
     return tuple(Lineage(int(r), int(t)) if i in admitted else None for i, (_, r, t) in enumerate(rows.tolist()))
 
 

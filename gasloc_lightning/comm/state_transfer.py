@@ -6,11 +6,13 @@ it fetches (``weights_only=False``: a rogue peer runs code on the joiner), liste
 anyone, and its ``disallow_checkpoint`` waits on a lock that a slow reader holds, so a slow reader makes
 ``Manager.should_commit`` raise. This transport replaces it:
 
-- it listens on ``bind`` only (an ephemeral port) and advertises ``http://advertise:port``;
+- it listens on ``bind`` only (an ephemeral port) and advertises ``http://advertise:port/instance`` (a random
+  id drawn at start);
 - both directions are signed with the run's secret (HMAC-SHA256, :mod:`~gasloc_lightning.comm.wire`): the
-  request over (the server it is addressed to, step, a fresh nonce), the response over (step, nonce, sha256
-  of the body). The server answers only members of the run, only requests addressed to itself (a heal source
-  without the secret cannot relay a joiner's request to an honest member), and each nonce once (no replay);
+  request over (the server it is addressed to: its address and instance; step; a fresh nonce), the response
+  over (step, nonce, sha256 of the body). The server answers only members of the run, only requests addressed to itself (a heal source
+  without the secret cannot relay a joiner's request to an honest member, nor replay one to a restarted
+  server at the same address), and each nonce once (no replay);
   the client takes a state only from a member;
 - a request for a step not staged yet waits at most 1 s for it, then gets 503: the client asks
   again, with a fresh nonce, until its deadline (a request is never held for the whole deadline);
@@ -67,6 +69,7 @@ MAC_HEADER = "X-Gasloc-Mac"
 LENGTH_MAC_HEADER = "X-Gasloc-Length-Mac"
 _STATE_PATH = re.compile(r"/state/(\d{1,19})", re.ASCII)
 _NONCE = re.compile(r"[0-9a-f]{32,128}", re.ASCII)
+_INSTANCE = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _READ_CHUNK = 1 << 20
 _MAX_CONNECTIONS = 8  # connections served at once; more are closed at once
 _POLL_INTERVAL = 0.05  # seconds: how fast the serving loop notices a shutdown
@@ -114,6 +117,10 @@ class AuthenticatedStateTransport(CheckpointTransport):
         _check_arguments(bind, advertise, secret, timeout, max_bytes)
         self._secret, self.timeout, self.max_bytes = secret, float(timeout), max_bytes
         self._advertise = bind if advertise is None else advertise
+        # Names this server among all that ever ran at advertise:port (a restarted worker reuses the address and
+        # may stage the same step again): requests are signed for it, so a request captured before a restart,
+        # whose nonce the new server has never seen, is still refused.
+        self.instance = secrets.token_hex(16)
         self._staged: _Staged | None = None
         self._retired_step = -1  # states up to this step were served and dropped: requests for them are refused
         self._lock = threading.Condition()
@@ -161,8 +168,8 @@ class AuthenticatedStateTransport(CheckpointTransport):
 
     # ------------------------------------------------------------------ CheckpointTransport
     def metadata(self) -> str:
-        """``http://advertise:port``: what a peer's :meth:`recv_checkpoint` is given to fetch from here."""
-        return f"http://{_target(self._advertise, self.port)}"
+        """``http://advertise:port/instance``: what a peer's :meth:`recv_checkpoint` is given to fetch from here."""
+        return f"http://{_target(self._advertise, self.port)}/{self.instance}"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         """Serialize ``state_dict`` now and serve it for ``step`` until :meth:`disallow_checkpoint`."""
@@ -196,9 +203,9 @@ class AuthenticatedStateTransport(CheckpointTransport):
         start = time.monotonic()
         deadline = start + seconds
         source = f"src_rank={src_rank} address={metadata} step={step}"
-        host, port = _parse_metadata(metadata)
+        host, port, instance = _parse_metadata(metadata)
         try:
-            payload = self._fetch_when_staged(host, port, step, deadline, source)
+            payload = self._fetch_when_staged(host, port, instance, step, deadline, source)
         except TimeoutError as error:
             raise StateTransferError(f"state transfer {source} exceeded timeout={seconds:g}s") from error
         except (OSError, http.client.HTTPException) as error:
@@ -234,7 +241,8 @@ class AuthenticatedStateTransport(CheckpointTransport):
         self.shutdown()
 
     # ------------------------------------------------------------------ client
-    def _fetch_when_staged(self, host: str, port: int, step: int, deadline: float, source: str) -> bytearray:
+    def _fetch_when_staged(self, host: str, port: int, instance: str, step: int, deadline: float,
+                           source: str) -> bytearray:
         """torchft's joiner asks as soon as the quorum forms, while the source may still be serializing its state:
         the source holds a request at most 1 s for it, then answers 503, and this asks again until the deadline."""
         addresses = _resolve(host, port, deadline)  # once: a slow resolver is not paid again on each ask
@@ -242,7 +250,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
         while True:
             nonce = secrets.token_hex(16)
             try:
-                payload, mac = self._fetch(host, port, addresses, step, nonce, deadline, source)
+                payload, mac = self._fetch(host, port, instance, addresses, step, nonce, deadline, source)
             except _NotStagedYet:
                 time.sleep(min(pause * random.uniform(0.5, 1.0), _left(deadline)))
                 pause = min(2 * pause, _RETRY_MAX)
@@ -252,9 +260,10 @@ class AuthenticatedStateTransport(CheckpointTransport):
                 raise UnsafePayloadError(f"state transfer {source}: response not signed with this run's secret")
             return payload
 
-    def _fetch(self, host: str, port: int, addresses: list[Any], step: int, nonce: str, deadline: float,
-               source: str) -> tuple[bytearray, str | None]:
-        mac = wire.sign(self._secret, b"request", _target(host, port).encode(), _step_bytes(step), nonce.encode())
+    def _fetch(self, host: str, port: int, instance: str, addresses: list[Any], step: int, nonce: str,
+               deadline: float, source: str) -> tuple[bytearray, str | None]:
+        mac = wire.sign(self._secret, b"request", _target(host, port, instance).encode(), _step_bytes(step),
+                        nonce.encode())
         with _connect(addresses, deadline) as sock:
             sock.settimeout(_left(deadline))
             sock.sendall(_request(host, port, step, nonce, mac))
@@ -324,11 +333,12 @@ class AuthenticatedStateTransport(CheckpointTransport):
         if match is None:
             return -1, nonce, (404, "unknown path")
         step = int(match.group(1))
-        # Signed over this server's own advertised address: a request a joiner addressed to another server (a
-        # heal source without the secret that relays it here) does not verify.
+        # Signed over this server's own advertised address and instance: a request a joiner addressed to another
+        # server (a heal source without the secret that relays it here), or to an earlier server at this address
+        # (captured before a restart), does not verify.
         if not _NONCE.fullmatch(nonce) or not wire.verify(
                 self._secret, handler.headers.get(MAC_HEADER), b"request",
-                _target(self._advertise, self.port).encode(), _step_bytes(step), nonce.encode()):
+                _target(self._advertise, self.port, self.instance).encode(), _step_bytes(step), nonce.encode()):
             return step, nonce, (403, "request not signed with this run's secret for this server")
         if not self._first_use(nonce):
             return step, nonce, (403, "nonce seen before (a replayed request)")
@@ -512,10 +522,11 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _target(host: str, port: int) -> str:
+def _target(host: str, port: int, instance: str | None = None) -> str:
     """``host:port`` as a client parses it from :meth:`AuthenticatedStateTransport.metadata` (urllib lowers the
-    host's case): what a request is signed for, and what a server checks against its own."""
-    return f"{_url_host(host.lower())}:{port}"
+    host's case), and with ``/instance``: what a request is signed for, and what a server checks against its own."""
+    address = f"{_url_host(host.lower())}:{port}"
+    return address if instance is None else f"{address}/{instance}"
 
 
 def _peer(client_address: Any) -> str:
@@ -540,15 +551,18 @@ def _left(deadline: float) -> float:
     return left
 
 
-def _parse_metadata(metadata: str) -> tuple[str, int]:
+def _parse_metadata(metadata: str) -> tuple[str, int, str]:
+    """``(host, port, instance)`` of ``http://host:port/instance`` (no instance: "", which no server has)."""
     try:
         parts = urllib.parse.urlsplit(metadata)
         host, port = parts.hostname, parts.port
     except (TypeError, ValueError, AttributeError) as error:
-        raise StateTransferError(f"metadata={metadata!r} is not http://host:port") from error
-    if parts.scheme != "http" or not host or port is None:
-        raise StateTransferError(f"metadata={metadata!r} is not http://host:port")
-    return host, port
+        raise StateTransferError(f"metadata={metadata!r} is not http://host:port/instance") from error
+    instance = parts.path.strip("/")
+    if (parts.scheme != "http" or not host or port is None or parts.query or parts.fragment
+            or (instance and not _INSTANCE.fullmatch(instance))):
+        raise StateTransferError(f"metadata={metadata!r} is not http://host:port/instance")
+    return host, port, instance
 
 
 def _resolve(host: str, port: int, deadline: float) -> list[Any]:

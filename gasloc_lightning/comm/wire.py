@@ -2,11 +2,13 @@
 
 A peer's state (a heal) arrives as bytes. :func:`load_state` loads them with ``torch.load(weights_only=True)``
 onto the CPU, so a payload never runs code: a crafted pickle is refused with :class:`UnsafePayloadError`,
-whoever signed it. Before that, the archive is checked as torch's own reader sees it (the records it would read
-fit in the payload side by side), so nothing inflates. Two checks then look at what was built:
+whoever signed it. Before that, the zip structure is parsed from the bytes (only stored entries, laid out as
+torch.save writes them) before torch's reader is built, and the reader then confirms the records it would read
+fit in the payload side by side: nothing inflates beyond the payload. Two checks then look at what was built:
 
 - :func:`check_plain`: only dicts, lists and tuples of dense CPU tensors that own their data (no meta, sparse
-  or quantized tensor) and plain data (None, bool, int, float, str) anywhere, with plain keys;
+  or quantized tensor) and plain data (None, bool, int, float, str) anywhere, with plain keys, each container
+  reached once (no shared or cyclic references, but for tuples of plain data);
 - :func:`check_like`: the exact structure of a reference this worker built itself (same keys, list lengths,
   tensor shapes and dtypes, finite floating tensors). The caller decides which subtrees it compares
   (e.g. the model's tensors always; an optimizer that has not stepped yet has no state to compare with).
@@ -22,6 +24,7 @@ import hmac
 import io
 import os
 import secrets
+import struct
 from typing import Any
 
 import torch
@@ -71,13 +74,14 @@ def load_state(payload: bytes, *, max_bytes: int | None = None) -> Any:
 
 def _check_archive(buffer: io.BytesIO, length: int) -> None:
     # Python's zipfile and torch's reader (miniz) can read two different central directories from the same bytes
-    # (zipfile finds it from where the end record sits, miniz from the offset the record states), so a bound
-    # checked on zipfile's view says nothing of what torch.load inflates. The archive is read one way only:
-    # torch's own reader, the one torch.load builds on these bytes. Every record it would read must lie inside
-    # the payload with no two overlapping, so all it reads, stored or deflated, is at most the payload's size.
-    if not hasattr(torch._C.PyTorchFileReader, "get_record_size"):  # refused rather than read another way
-        raise UnsafePayloadError(f"torch {torch.__version__} cannot tell the sizes of an archive's records "
-                                 "(PyTorchFileReader.get_record_size): received states cannot be bounded")
+    # (zipfile finds it from where the end record sits, miniz from the offset the record states), and building
+    # torch's reader already inflates two records in full (`version`, `.data/serialization_id`). So the zip
+    # structure is parsed here first, strictly, from the bytes themselves (_check_zip_layout): only what
+    # torch.save writes passes, and what passes cannot inflate. Torch's own reader then confirms, where this torch
+    # can tell it, that the records it reads are the ones parsed.
+    _check_zip_layout(buffer.getbuffer(), length)
+    if not all(hasattr(torch._C.PyTorchFileReader, name) for name in ("get_record_size", "get_record_offset")):
+        return  # an older torch cannot say where its records lie: the strict parse above decides alone
     try:
         reader = torch._C.PyTorchFileReader(buffer)
         records = sorted((reader.get_record_offset(name), reader.get_record_size(name), name)
@@ -92,6 +96,103 @@ def _check_archive(buffer: io.BytesIO, length: int) -> None:
                 f"payload's record {name[:80]!r} claims {size} bytes at offset {offset}, past the payload's "
                 f"{length} bytes or into another record (a compressed or overlapping entry; torch.save writes none)")
         end = offset + size
+
+
+_END = struct.Struct("<IHHHHIIH")  # end of central directory: 22 bytes
+_END64_LOCATOR = struct.Struct("<IIQI")  # zip64 end locator: 20 bytes
+_END64 = struct.Struct("<IQHHIIQQQQ")  # zip64 end of central directory: 56 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # central directory entry: 46 bytes + name, extra, comment
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # local header: 30 bytes + name, extra
+_SENTINEL16, _SENTINEL32 = 0xFFFF, 0xFFFFFFFF
+
+
+def _check_zip_layout(data: memoryview, length: int) -> None:
+    """The zip structure torch.save writes, and nothing else: one end record in the last 22 bytes (no comment;
+    a zip64 end record and locator right before it when the archive needs them), a central directory that ends
+    where they begin, and entries that are all stored (method 0, compressed size == size), unencrypted, whose
+    local headers and data lie before the directory without overlapping. Then every record torch reads is at
+    most its stored bytes, all of them together at most the payload."""
+    def refuse(why: str) -> None:
+        raise UnsafePayloadError(f"payload is not a torch archive as torch.save writes it: {why}")
+
+    if length < _END.size:
+        refuse(f"{length} bytes")
+    signature, disk, directory_disk, on_disk, entries, size, offset, comment = _END.unpack_from(data, length - 22)
+    if signature != 0x06054B50 or comment or disk or directory_disk or on_disk != entries:
+        refuse("no end of central directory as the last 22 bytes (a comment, a second disk, or another record)")
+    directory_end = length - 22
+    locator_at = directory_end - _END64_LOCATOR.size
+    if locator_at >= 0 and _END64_LOCATOR.unpack_from(data, locator_at)[0] == 0x07064B50:
+        _, locator_disk, end64_at, disks = _END64_LOCATOR.unpack_from(data, locator_at)
+        if locator_disk or disks != 1 or end64_at != locator_at - _END64.size or end64_at < 0:
+            refuse("a zip64 locator that does not point right before itself")
+        (signature, record_size, _, _, disk, directory_disk, on_disk64, entries64, size64,
+         offset64) = _END64.unpack_from(data, end64_at)
+        if (signature != 0x06064B50 or record_size != _END64.size - 12 or disk or directory_disk
+                or on_disk64 != entries64):
+            refuse("a zip64 end record that is not one plain record")
+        for value, value64, sentinel in ((entries, entries64, _SENTINEL16), (size, size64, _SENTINEL32),
+                                         (offset, offset64, _SENTINEL32)):
+            if value != sentinel and value != value64:
+                refuse("zip64 and 32-bit end records that disagree")
+        entries, size, offset, directory_end = entries64, size64, offset64, end64_at
+    if offset + size != directory_end:
+        refuse(f"a central directory of {size} bytes at {offset} that does not end at its end record ({directory_end})")
+    spans = []
+    position = offset
+    for _ in range(entries):
+        if position + _CENTRAL.size > directory_end:
+            refuse("a central directory shorter than its entry count")
+        (signature, _, _, flags, method, _, _, _, compressed, uncompressed, name_length, extra_length,
+         comment_length, disk, _, _, local_at) = _CENTRAL.unpack_from(data, position)
+        extra_at = position + _CENTRAL.size + name_length
+        after = extra_at + extra_length + comment_length
+        if signature != 0x02014B50 or after > directory_end:
+            refuse(f"no central directory entry at {position}")
+        if _SENTINEL32 in (compressed, uncompressed, local_at) or disk == _SENTINEL16:
+            uncompressed, compressed, local_at = _zip64_fields(data, extra_at, extra_length, uncompressed,
+                                                               compressed, local_at, disk, refuse)
+        if method != 0 or compressed != uncompressed or flags & 0x41:  # 0x1 encrypted, 0x40 strong encryption
+            refuse(f"entry at {local_at}: method {method}, {compressed} bytes stored for {uncompressed} "
+                   "(a compressed or encrypted entry; torch.save stores every record)")
+        if local_at + _LOCAL.size > offset:
+            refuse(f"a local header at {local_at} past the central directory")
+        signature, *_, local_name, local_extra = _LOCAL.unpack_from(data, local_at)
+        data_end = local_at + _LOCAL.size + local_name + local_extra + compressed
+        if signature != 0x04034B50 or data_end > offset:
+            refuse(f"entry at {local_at}: no local header, or data past the central directory")
+        spans.append((local_at, data_end))
+        position = after
+    if position != directory_end:
+        refuse("a central directory longer than its entries")
+    spans.sort()
+    for (_, first_end), (second_start, _) in zip(spans, spans[1:]):
+        if second_start < first_end:
+            refuse(f"entries that overlap at {second_start}")
+
+
+def _zip64_fields(data, at, length, uncompressed, compressed, local_at, disk, refuse):
+    # The zip64 extended information field (id 1) holds, in this order, only the values whose 32-bit field is the
+    # sentinel: size, compressed size, local header offset, disk.
+    end = at + length
+    while at + 4 <= end:
+        tag, size = struct.unpack_from("<HH", data, at)
+        if tag == 1:
+            values = iter(struct.unpack_from(f"<{size // 8}Q", data, at + 4)) if at + 4 + size <= end else iter(())
+            try:
+                if uncompressed == _SENTINEL32:
+                    uncompressed = next(values)
+                if compressed == _SENTINEL32:
+                    compressed = next(values)
+                if local_at == _SENTINEL32:
+                    local_at = next(values)
+            except StopIteration:
+                refuse("a zip64 field shorter than its sentinels")
+            if disk == _SENTINEL16:
+                refuse("an entry on another disk")
+            return uncompressed, compressed, local_at
+        at += 4 + size
+    refuse("32-bit sentinels with no zip64 field")
 
 
 # ------------------------------------------------------------------ structure checks
@@ -163,15 +264,32 @@ def _check_same_kind(path: str, got: Any, want: Any) -> None:
 
 def _leaves(state: Any, path: str):
     # Iterative so that a deeply nested payload fails a check instead of the interpreter's recursion limit.
+    # torch.save keeps shared references and torch.load(weights_only=True) rebuilds them, so a payload of a few KB
+    # can be a graph of 2^60 paths (each list holding the previous one twice) or a list that holds itself: a walk
+    # that keeps no record of what it visited never ends. Every container is therefore walked once. One seen a
+    # second time is refused, except a tuple of plain data only (an optimizer's param groups share the one
+    # `betas` tuple of its defaults): it holds no container, so sharing it cannot multiply anything, and it was
+    # already checked, so it is skipped.
+    seen: set[int] = set()
+    flat: set[int] = set()
     stack = [(path, state)]
     while stack:
         here, node = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            if id(node) in seen:
+                if id(node) in flat:
+                    continue
+                raise UnsafePayloadError(f"{here}: a {type(node).__name__} reached a second time (a shared or "
+                                         "cyclic reference, which a worker's state holds only as tuples of plain data)")
+            seen.add(id(node))
         if isinstance(node, dict):
             for key in node:
                 if type(key) not in PLAIN_TYPES:
                     raise UnsafePayloadError(f"{here}: key of type {type(key).__name__}, expected plain data")
             stack.extend((f"{here}.{key}", node[key]) for key in reversed(list(node)))
         elif isinstance(node, (list, tuple)):
+            if type(node) is tuple and all(type(item) in PLAIN_TYPES for item in node):
+                flat.add(id(node))
             stack.extend((f"{here}.{index}", item) for index, item in reversed(list(enumerate(node))))
         else:
             yield here, node
