@@ -55,7 +55,7 @@ from omegaconf import DictConfig, OmegaConf
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
 from gasloc_lightning.app.live_status import LiveStatus
-from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard
+from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard, tensorboard_nodes
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
@@ -812,7 +812,8 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
     run = OmegaConf.create(plain)
     run.output_dir = output_dir
     run = OmegaConf.create(OmegaConf.to_container(run, resolve=True))
-    place_worker_tensorboard(run, run_dir=cfg.output_dir, worker=worker)  # one TensorBoard for the whole run
+    if tensorboard_nodes(run):  # one TensorBoard for the whole run; output_dir is read only then (it may be unset)
+        place_worker_tensorboard(run, run_dir=cfg.output_dir, worker=worker)
     strategy = {key: run.strategy[key] for key in _GASLOC_KEYS if key in run.strategy}
     if elastic.method == "gasloc":
         strategy["_target_"] = "gasloc_lightning.strategies.elastic.ElasticGASLoCStrategy"
