@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from pathlib import Path
 
 _LISTEN = "0A"  # TCP_LISTEN in the kernel's st column
@@ -80,3 +81,14 @@ def descendants(pid: int) -> list[int]:
         found.extend(below)
         frontier.extend(below)
     return sorted(found)
+
+
+def drain(sock: socket.socket) -> bytes:
+    """Everything a peer sends until it closes (a reset ends it too)."""
+    data = bytearray()
+    try:
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return bytes(data)

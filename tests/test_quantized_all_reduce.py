@@ -41,20 +41,7 @@ def _rank(rank: int, world_size: int, port: int, codec: str, queue) -> None:
 
 @pytest.mark.parametrize("codec,world_size", [("int8", 3), ("int4", 2), ("bfloat16", 3)])
 def test_every_rank_gets_the_simulators_bits(codec, world_size, fresh_port, one_torch_thread):
-    context = mp.get_context("fork")  # one torch thread in this process: a forked rank starts in milliseconds
-    queue = context.Queue()
-    port = fresh_port()
-    processes = [context.Process(target=_rank, args=(r, world_size, port, codec, queue)) for r in range(world_size)]
-    for process in processes:
-        process.start()
-    try:
-        results = sorted(queue.get(timeout=90) for _ in range(world_size))
-    finally:
-        for process in processes:  # stopped by pid, on success and on failure
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-                process.join()
+    results = _fork_ranks(_rank, world_size, fresh_port(), codec)  # one torch thread here: forks start fast
     expected = EncodedMean(codec, NUMEL, world_size).mean(vectors(world_size))
     exact = vectors(world_size).mean(dim=0)
     chunk_wire = EncodedMean(codec, NUMEL, world_size).chunk_wire

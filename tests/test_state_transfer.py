@@ -35,6 +35,7 @@ from gasloc_lightning.comm.state_transfer import (
     StateTransferError,
 )
 from gasloc_lightning.comm.wire import UnsafePayloadError
+from net_utils import drain
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -332,16 +333,6 @@ def trickle_until_closed(sock: socket.socket, seconds: float) -> bool:
         except OSError:
             return True
     return False
-
-
-def drain(sock: socket.socket) -> bytes:
-    data = bytearray()
-    try:
-        while chunk := sock.recv(1 << 20):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return bytes(data)
 
 
 def test_disallow_drops_the_served_copy(make_transport):

@@ -29,6 +29,7 @@ from gasloc_lightning.comm import state_transfer, wire
 from gasloc_lightning.comm.state_apply import StateApplyError, StatePart, apply_all_or_nothing
 from gasloc_lightning.comm.state_transfer import AuthenticatedStateTransport, StateTransferError
 from gasloc_lightning.comm.wire import UnsafePayloadError
+from net_utils import drain
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,16 +65,6 @@ def exchange(port: int, request: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(request)
         return drain(sock)
-
-
-def drain(sock: socket.socket) -> bytes:
-    data = bytearray()
-    try:
-        while chunk := sock.recv(1 << 20):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    return bytes(data)
 
 
 def read_request(connection: socket.socket) -> bytes:
