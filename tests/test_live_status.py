@@ -8,7 +8,8 @@ import io
 
 import pytest
 
-from gasloc_lightning.app.live_status import STATUS_PREFIX, LiveStatus, ScriptProgress, format_status, status_of
+from gasloc_lightning.app.live_status import STATUS_PREFIX, LiveStatus, format_status, status_of
+from gasloc_lightning.network.progress import ScriptProgress
 
 
 def _record(step: int, *, state: str = "running", pid: int = 1, quorum: int | None = 3, sent: float = 0.0,

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from gasloc_lightning.network.progress import format_duration
+
 STATUS_PREFIX = "status: "
 
 
@@ -117,7 +119,7 @@ def format_status(status: RunStatus) -> str:
     """One line: steps, ETA, quorum, loss, consensus distance, failed exchanges and bytes/s (``-``: not known yet)."""
     slowest = "-" if status.slowest_step is None else status.slowest_step
     return (f"{STATUS_PREFIX}step {status.furthest_step}/{status.max_steps} (slowest {slowest}) "
-            f"| ETA {_duration(status.eta_s)} | quorum {_dash(status.quorum_size)} ({status.live_workers} live) "
+            f"| ETA {format_duration(status.eta_s)} | quorum {_dash(status.quorum_size)} ({status.live_workers} live) "
             f"| val loss {_number(status.val_loss, '.4g')} "
             f"| consensus distance {_number(status.consensus_distance, '.3g')} "
             f"| failed exchanges {status.failed_exchanges} "
@@ -130,13 +132,6 @@ def _dash(value: Any) -> str:
 
 def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    whole = int(round(seconds))
-    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 def _bytes_per_s(value: float | None) -> str:
@@ -231,38 +226,3 @@ class LiveStatus:
         if self._live is not None:
             self._live.stop()
             self._live = None
-
-
-class ScriptProgress:
-    """Progress of a long benchmark script made of runs: which run of how many, its ETA, what is already recorded.
-
-    The ETA is the mean duration of the runs this session finished times the runs left (runs kept from an
-    earlier session's record cost nothing and are not timed).
-
-    Args:
-        total: the runs the script will have recorded at its end (kept ones included), >= 0.
-        recorded: how many of them an earlier session already recorded.
-        clock: the time source (``time.monotonic``); tests pass their own.
-    """
-
-    def __init__(self, *, total: int, recorded: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
-        if total < 0 or not 0 <= recorded <= total:
-            raise ValueError(f"need 0 <= recorded <= total, got recorded={recorded!r} total={total!r}")
-        self.total, self.recorded, self._clock = total, recorded, clock
-        self._durations: list[float] = []
-        self._started: float | None = None
-
-    def start(self, label: str) -> str:
-        """The line that announces the next run (``label``: what it is); times it until :meth:`done`."""
-        self._started = self._clock()
-        left = self.total - self.recorded
-        eta = None if not self._durations else left * sum(self._durations) / len(self._durations)
-        return (f"run {self.recorded + 1} of {self.total} ({self.recorded} done): {label} "
-                f"| ETA {_duration(eta)}")
-
-    def done(self) -> None:
-        """The run announced last is recorded."""
-        if self._started is not None:
-            self._durations.append(self._clock() - self._started)
-            self._started = None
-        self.recorded += 1

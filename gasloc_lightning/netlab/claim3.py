@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from gasloc_lightning.network.progress import ScriptProgress
 from gasloc_lightning.strategies.launcher import terminate
 
+RECORD_FILE = "run.json"  # in a run's folder once it ended: its command and curve (what a rerun reads back)
 RUN_TIMEOUT_S = 1800  # each run's own limit (netlab.timeout_s): it stops its ranks and removes its lab
 CHILD_GRACE_S = 120.0  # after SIGTERM: the ranks' grace, then the lab's removal
 
@@ -60,21 +63,70 @@ def time_to(points: list[tuple[int, float, float]], target: float) -> float | No
     return next((seconds for _, seconds, loss in points if loss <= target + 1e-9), None)
 
 
-def run_method(name: str, seed: int, steps: int, scale: float, out: Path,
-               reuse: bool = False) -> list[tuple[int, float, float]]:
-    """Run ``name`` for ``seed`` (or, with ``reuse``, read the run already in its folder); its curve."""
-    folder = out / f"seed{seed}" / METHODS[name][0]
-    if reuse and (folder / "csv" / "metrics.csv").exists():
+def run_folder(out: Path, name: str, seed: int) -> Path:
+    return out / f"seed{seed}" / METHODS[name][0]
+
+
+def run_command(name: str, seed: int, steps: int, scale: float, out: Path) -> list[str]:
+    """The ``gasloc-netlab`` command of method ``name`` for ``seed``."""
+    folder = run_folder(out, name, seed)
+    return [sys.executable, "-m", "gasloc_lightning.app.netlab", *BASE, *METHODS[name][1], f"seed={seed}",
+            f"trainer.max_steps={steps}", f"netlab.bandwidth_scale={scale}", f"output_dir={folder}",
+            f"hydra.run.dir={folder}"]
+
+
+def recorded(folder: Path, command: list[str], reuse: bool = False) -> list[tuple[int, float, float]] | None:
+    """The curve a finished run recorded in ``folder`` with the same command (its arguments; the interpreter's path
+    may differ) or, with ``reuse``, of any ``metrics.csv`` there; None: the run is still to do."""
+    path = folder / RECORD_FILE
+    if reuse and not path.is_file() and (folder / "csv" / "metrics.csv").exists():
         return curve(folder / "csv" / "metrics.csv")
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("command") != command[1:]:
+        return None
+    return [tuple(point) for point in record["curve"]]
+
+
+def run_method(name: str, seed: int, steps: int, scale: float, out: Path, reuse: bool = False,
+               progress: ScriptProgress | None = None) -> list[tuple[int, float, float]]:
+    """Run ``name`` for ``seed`` unless its folder recorded that run already (or, with ``reuse``, holds any
+    ``metrics.csv``); its curve."""
+    folder = run_folder(out, name, seed)
+    command = run_command(name, seed, steps, scale, out)
+    kept = recorded(folder, command, reuse)
+    if kept is not None:
+        print(f"seed {seed} {name}: recorded in {folder}", flush=True)
+        return kept
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *BASE, *METHODS[name][1], f"seed={seed}",
-               f"trainer.max_steps={steps}", f"netlab.bandwidth_scale={scale}", f"output_dir={folder}",
-               f"hydra.run.dir={folder}"]
+    if progress is not None:
+        print(progress.start(f"seed {seed} {name} in {folder}"), flush=True)
     with open(folder / "netlab.log", "w") as log_file:
         code = _run_to_the_end(command, log_file)
     if code != 0:
         raise RuntimeError(f"{name} seed {seed} failed ({code}); see {folder}/netlab.log")
-    return curve(folder / "csv" / "metrics.csv")
+    points = curve(folder / "csv" / "metrics.csv")
+    _write_atomically(folder / RECORD_FILE, {"command": command[1:], "curve": points})
+    if progress is not None:
+        progress.done()
+    return points
+
+
+def _write_atomically(path: Path, record: dict[str, Any]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def planned_progress(seeds: list[int], methods: list[str], steps: int, scale: float, out: Path,
+                     reuse: bool = False) -> ScriptProgress:
+    """Every run of the session (DiLoCo, the reference, once per seed), and how many are recorded already."""
+    runs = [(name, seed, steps if name == "diloco" else int(1.5 * steps))
+            for seed in seeds for name in ["diloco", *(m for m in methods if m != "diloco")]]
+    kept = sum(recorded(run_folder(out, name, seed), run_command(name, seed, n, scale, out), reuse) is not None
+               for name, seed, n in runs)
+    return ScriptProgress(total=len(runs), recorded=kept)
 
 
 def _run_to_the_end(command: list[str], log_file: Any) -> int:
@@ -100,17 +152,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", type=float, default=0.002, help="netlab.bandwidth_scale (0.002: 2 Mbit/s)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--reuse", action="store_true", help="read runs already under --out instead of rerunning")
+    parser.add_argument("--reuse", action="store_true", help="also read runs under --out that left a metrics.csv but no run.json record "
+                        "(runs recorded in run.json are always read back)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    progress = planned_progress(args.seeds, args.methods, args.steps, args.scale, args.out, args.reuse)
     results = []
     for seed in args.seeds:
-        reference = run_method("diloco", seed, args.steps, args.scale, args.out, args.reuse)
+        reference = run_method("diloco", seed, args.steps, args.scale, args.out, args.reuse, progress)
         target = reference[-1][2]
         diloco_s = time_to(reference, target)  # its first validation at its final loss (losses are not monotone)
         for name in args.methods:
             points = reference if name == "diloco" else run_method(
-                name, seed, int(1.5 * args.steps), args.scale, args.out, args.reuse)
+                name, seed, int(1.5 * args.steps), args.scale, args.out, args.reuse, progress)
             seconds = time_to(points, target)
             results.append({"seed": seed, "method": name, "target": target, "seconds": seconds,
                             "ratio": None if seconds is None else seconds / diloco_s, "final_loss": points[-1][2],
