@@ -65,7 +65,8 @@ def test_on_a_file_one_line_is_printed_every_every_s_and_quiet_prints_nothing():
         live.update({0: _record(second, sent=1000.0 * (second // 5))})  # 1 kB per round of 5 s, in bursts
     lines = out.getvalue().splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"{STATUS_PREFIX}step {s}/100" for s in (0, 10, 20, 30)]
-    assert all(line.endswith("out 200 B/s") for line in lines[1:]), "the rate over the last 10 s, not poll to poll"
+    assert all("out 200 B/s |" in line for line in lines[1:]), "the rate over the last 10 s, not poll to poll"
+    assert [line.rsplit("| elapsed ", 1)[1] for line in lines] == ["0:00:00", "0:00:10", "0:00:20", "0:00:30"]
     assert "ETA 0:01:10" in lines[3], "1 step/s since the first step: 70 of 100 left at step 30"
     clock.now = 31.0
     live.update({0: _record(100, state="done", val_loss=2.5), 1: _record(40, state="exited", quorum=4)})

@@ -245,3 +245,23 @@ def test_a_non_finite_worker_discards_its_round_as_the_strategy_does(corpus, tmp
     _poison_worker(stubborn, worker=2, steps={2, 4})
     with pytest.raises(FloatingPointError, match="consecutive rounds"):
         stubborn.train()
+
+
+def test_each_validation_logs_the_spread_across_the_replicas_to_csv_and_tensorboard(corpus, tmp_path):
+    """min <= median <= max of the replicas' own validation losses, and the consensus distance, at every
+    validation (steps 2 and 4), in the CSV and, with logger=tensorboard, in the TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = _compose(corpus, tmp_path, ["strategy=gasloc", "logger=tensorboard", "strategy.consensus_every=0"])
+    sim_app.simulate(cfg)
+    with (tmp_path / "out" / "csv" / "metrics.csv").open() as file:
+        rows = [r for r in csv.DictReader(file) if r["val/loss"]]
+    assert [int(r["step"]) for r in rows] == [1, 3]
+    for row in rows:
+        low, median, high = (float(row[f"spread/val_loss_{k}"]) for k in ("min", "median", "max"))
+        assert low <= median <= high and high > low, row  # 4 replicas trained apart on their own shards
+        assert float(row["comm/consensus_distance"]) > 0, row
+    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("spread/val_loss_max")] == [1, 3]
+    assert [e.step for e in events.Scalars("comm/consensus_distance")] == [1, 3]

@@ -12,7 +12,9 @@ step by :class:`~gasloc_lightning.app.elastic_worker.ElasticProgress`), so nothi
 Example line::
 
     status: step 47/100 (slowest 45) | ETA 0:00:31 | quorum 3 (3 live) | val loss 3.214 | consensus distance 0.0123
-    | failed exchanges 1 | in 12.3 kB/s out 12.1 kB/s
+    | failed exchanges 1 | in 12.3 kB/s out 12.1 kB/s | elapsed 0:00:52
+
+``elapsed`` is the time since the launcher's first look, so a log file's lines say when they were printed.
 """
 
 from __future__ import annotations
@@ -115,15 +117,17 @@ def _eta(origin: tuple[float, int] | None, now: float, furthest: int, max_steps:
     return max(0, max_steps - slowest) / steps_per_s
 
 
-def format_status(status: RunStatus) -> str:
-    """One line: steps, ETA, quorum, loss, consensus distance, failed exchanges and bytes/s (``-``: not known yet)."""
+def format_status(status: RunStatus, elapsed_s: float | None = None) -> str:
+    """One line: steps, ETA, quorum, loss, consensus distance, failed exchanges and bytes/s (``-``: not known yet),
+    and, given ``elapsed_s``, the time since the launcher's first look (a log file's lines then carry their time)."""
     slowest = "-" if status.slowest_step is None else status.slowest_step
+    elapsed = "" if elapsed_s is None else f" | elapsed {format_duration(elapsed_s)}"
     return (f"{STATUS_PREFIX}step {status.furthest_step}/{status.max_steps} (slowest {slowest}) "
             f"| ETA {format_duration(status.eta_s)} | quorum {_dash(status.quorum_size)} ({status.live_workers} live) "
             f"| val loss {_number(status.val_loss, '.4g')} "
             f"| consensus distance {_number(status.consensus_distance, '.3g')} "
             f"| failed exchanges {status.failed_exchanges} "
-            f"| in {_bytes_per_s(status.bytes_in_per_s)} out {_bytes_per_s(status.bytes_out_per_s)}")
+            f"| in {_bytes_per_s(status.bytes_in_per_s)} out {_bytes_per_s(status.bytes_out_per_s)}{elapsed}")
 
 
 def _dash(value: Any) -> str:
@@ -178,6 +182,7 @@ class LiveStatus:
         self._printed: RunStatus | None = None  # the last status printed on a file
         self._printed_at: float | None = None
         self._live: Any = None  # rich.live.Live on a terminal, once started
+        self._started: float | None = None  # the clock at the first look: each line says the time since
         # rich draws the refreshed line (Lightning's progress bar uses it too); without it, a terminal gets lines
         self._terminal = show and bool(getattr(self._stream, "isatty", lambda: False)()) and _has_rich()
 
@@ -188,6 +193,8 @@ class LiveStatus:
     def update(self, progress: Mapping[Any, Mapping[str, Any]]) -> RunStatus:
         """Look at the workers' records now; show the status if it is due. Returns the status."""
         now = self._clock()
+        if self._started is None:
+            self._started = now
         # Rates over the last every_s to 2 x every_s (a round's bytes arrive in bursts: poll-to-poll rates are
         # mostly 0, and a window just restarted would flicker on a terminal)
         since = self._older or self._window
@@ -198,13 +205,16 @@ class LiveStatus:
         if self._on_status is not None:
             self._on_status(self._last)
         if self.show and self._terminal:
-            self._refresh(format_status(self._last))
+            self._refresh(self._line(now))
         elif self.show and (self._printed_at is None or now - self._printed_at >= self.every_s):
             self._print(now)
         return self._last
 
+    def _line(self, now: float) -> str:
+        return format_status(self._last, elapsed_s=now - self._started)
+
     def _print(self, now: float) -> None:
-        print(format_status(self._last), file=self._stream, flush=True)
+        print(self._line(now), file=self._stream, flush=True)
         self._printed_at, self._printed = now, self._last
 
     def _refresh(self, line: str) -> None:

@@ -11,7 +11,9 @@ Usage::
 Presets, strategies (gasloc, diloco, local), topologies, networks and models are gasloc-train's;
 ``sim.*`` adds the worker count, churn and progress. The job writes ``summary.json`` and
 ``csv/metrics.csv`` as gasloc-train does (the strategy record carries ``engine: sim``), so
-``gasloc-compare`` reads both kinds of run side by side. Bad input (a worker count the topology
+``gasloc-compare`` reads both kinds of run side by side; with ``logger=tensorboard`` the same rows also go to
+``<output_dir>/tensorboard``. At each validation the spread across the n replicas is logged too (min, median and
+max of each replica's own validation loss, ``spread/val_loss_*``, and ``comm/consensus_distance``). Bad input (a worker count the topology
 cannot have, an unstable gamma, a run that does not fit in memory, a churn schedule that empties the
 quorum) is refused before any step.
 """
@@ -36,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from gasloc_lightning.algorithm.fragments import resolve_points
 from gasloc_lightning.algorithm.streaming import fragment_bounds
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
+from gasloc_lightning.app.run_tensorboard import tensorboard_nodes
 from gasloc_lightning.app.summary import SUMMARY_FILE, SUMMARY_FORMAT, count_rounds
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.models.lm import warmup_cosine_factor
@@ -93,13 +96,26 @@ ConfigStore.instance().store(group="schema", name="sim_app", node=SimAppSchema)
 
 
 class MetricsTable:
-    """Rows of metrics by step, written as one CSV (a column per metric, as Lightning's CSVLogger)."""
+    """Rows of metrics by step, written as one CSV (a column per metric, as Lightning's CSVLogger) and, given
+    ``tensorboard_dir``, also as TensorBoard scalars as they come (``logger=tensorboard``).
 
-    def __init__(self) -> None:
+    Args:
+        tensorboard_dir: the TensorBoard run folder (None: CSV only).
+    """
+
+    def __init__(self, tensorboard_dir: Path | None = None) -> None:
         self.rows: dict[int, dict[str, float]] = {}
+        self._writer: Any = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # only runs that ask for TensorBoard import it
+
+            self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def __call__(self, step: int, row: dict[str, float]) -> None:
         self.rows.setdefault(step, {}).update(row)
+        if self._writer is not None:
+            for name, value in row.items():
+                self._writer.add_scalar(name, float(value), step)
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +125,20 @@ class MetricsTable:
             writer.writeheader()
             for step in sorted(self.rows):
                 writer.writerow({"step": step, **self.rows[step]})
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def tensorboard_dir(cfg: DictConfig) -> Path | None:
+    """Where the run's TensorBoard logger writes (``<save_dir>/<name>/<version>``), or None without one."""
+    keys = tensorboard_nodes(cfg)
+    if not keys:
+        return None
+    node = cfg.logger[keys[0]]
+    return Path(str(node.save_dir)) / str(node.get("name") or "") / str(node.get("version") or "")
 
 
 def _strategy_kind(cfg: DictConfig) -> str:
@@ -363,11 +393,14 @@ def _record(cfg: DictConfig, simulator: Simulator, parts: dict[str, Any], result
 
 def simulate(cfg: DictConfig) -> float | None:
     """Run one simulated job of a composed config; returns the final consensus validation loss."""
-    table = MetricsTable()
-    simulator, parts = build(cfg, metrics=table)
-    log.info("simulating strategy=%s workers=%d steps=%d H=%d estimated_bytes=%d", parts["strategy"]["name"],
-             simulator.workers, simulator.max_steps, simulator.inner_steps, parts["estimated_bytes"])
-    result = simulator.run()
+    table = MetricsTable(tensorboard_dir(cfg))
+    try:
+        simulator, parts = build(cfg, metrics=table)
+        log.info("simulating strategy=%s workers=%d steps=%d H=%d estimated_bytes=%d", parts["strategy"]["name"],
+                 simulator.workers, simulator.max_steps, simulator.inner_steps, parts["estimated_bytes"])
+        result = simulator.run()
+    finally:
+        table.close()
     output = Path(cfg.output_dir)
     table.write(output / METRICS_CSV)
     record = _record(cfg, simulator, parts, result)

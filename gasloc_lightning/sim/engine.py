@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -244,6 +245,21 @@ class Simulator:
         points = self.replicas.gather().index_select(0, index)
         return float((points - self.consensus_point()).pow(2).sum().double()) / len(self._live)
 
+    @torch.no_grad()
+    def replica_spread(self) -> dict[str, float]:
+        """How far the live replicas are apart at a validation (a real run's per-worker ``val/loss_local`` lines,
+        side by side): min, median and max of each replica's own loss on the first ``batch_size`` validation
+        windows (one forward per replica: about a training step's forward), and the consensus distance."""
+        x, y = next(self.batches.validation_batches(self.batches.batch_size))  # (S, T)
+        flat = self.replicas.gather()
+        losses = []
+        for i in self._live:
+            logits = functional_call(self.replicas.module, self.replicas.unflatten(flat[i]), (x,)).float()
+            losses.append(float(F.cross_entropy(logits.flatten(0, 1), y.flatten())))  # (S, T, V) -> mean
+        self.consensus_distance = self.measure_consensus_distance()
+        return {"spread/val_loss_min": min(losses), "spread/val_loss_median": statistics.median(losses),
+                "spread/val_loss_max": max(losses), "comm/consensus_distance": self.consensus_distance}
+
     def validation_stamps(self) -> dict[str, float]:
         """When a validation now would be stamped: the end of the consensus all-reduce (full model, float32) over
         the live workers, posted at their clocks and not waited on; ``{"": run's network, name: each network timed
@@ -269,6 +285,7 @@ class Simulator:
                "progress/wall_time_s": time.perf_counter() - self._start}
         for name, stamp in self.validation_stamps().items():
             row["val/sim_time" + (f"/{name}" if name else "")] = stamp
+        row.update(self.replica_spread())
         self._metrics(self.step - 1, row)
         log.info("validation step=%d val_loss=%.4f", self.step, loss)
         return row
