@@ -33,11 +33,16 @@ Usage::
     python benchmarks/multicloud.py --markdown --out docs/multicloud # their tables, as in docs/multicloud.md
 
 Results: ``<out>/multicloud_n<workers>.json`` (one per n, merged by scenario) and ``<out>/multicloud.png``.
+Every ``gasloc-sim`` run is kept in ``<out>/runs/n<workers>/`` once it ends, and a rerun reads those back: an
+interrupted session resumes where it stopped. Before its first run a session counts the runs it will ask for and
+those already recorded; each run then starts with ``run k of N (m done): <name> | ETA h:mm:ss``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -47,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sim_runs import SimRunError, run_sim, slug, time_to_reach
+
+from gasloc_lightning.network.progress import ScriptProgress
 
 SCENARIOS = ("two_clusters", "cloud_mix", "many_sites", "jitter", "preemption")
 TARGET_STEPS_SHARE = 1.0 / 1.5  # the target is plain DiLoCo's loss at 2/3 of every run's steps
@@ -111,23 +118,36 @@ class SharedRuns:
     timed alongside (``sim.also_networks``), which gives the same times as running there (tested). Churn
     (preemption) and the cluster-shaped schedule change the training: they run per scenario."""
 
-    def __init__(self, together: tuple[str, ...], folder: Path, work: Path | None = None) -> None:
+    def __init__(self, together: tuple[str, ...], folder: Path, work: Path | None = None,
+                 progress: ScriptProgress | None = None) -> None:
         self.together, self.folder, self.work = together, folder, work or folder / "work"
+        self.progress = progress  # says which run of how many starts, its ETA and what is recorded
         self._runs: dict[tuple[str, ...], dict] = {}
+
+    def recorded(self, overrides: list[str], name: str) -> dict | None:
+        """The run kept in ``folder/<name>.json`` if it was run with the same overrides, else None."""
+        kept = self.folder / f"{name}.json"
+        if kept.is_file():
+            run = json.loads(kept.read_text())
+            if run.get("overrides") == list(overrides):
+                return run
+        return None
 
     def _run_sim(self, overrides: list[str], name: str) -> dict:
         """One ``gasloc-sim`` run, kept in ``folder/<name>.json`` (its summary and traces) once it ends: a run
         found there with the same overrides is read back, not rerun, so an interrupted benchmark resumes."""
-        kept = self.folder / f"{name}.json"
+        run = self.recorded(overrides, name)
+        if run is not None:
+            print(f"    {name}: recorded", flush=True)
+            return run
         self.folder.mkdir(parents=True, exist_ok=True)
-        if kept.is_file():
-            run = json.loads(kept.read_text())
-            if run.get("overrides") == list(overrides):
-                print(f"    {name}: recorded", flush=True)
-                return run
+        if self.progress is not None:
+            print(f"    {self.progress.start(name)}", flush=True)
         run = run_sim(list(overrides), self.work / name)
-        _write(kept, {**run, "overrides": list(overrides)})
-        return json.loads(kept.read_text())  # as read back on a resume: lists, not tuples
+        _write(self.folder / f"{name}.json", {**run, "overrides": list(overrides)})
+        if self.progress is not None:
+            self.progress.done()
+        return json.loads((self.folder / f"{name}.json").read_text())  # as read back on a resume: lists, not tuples
 
     def shares(self, scenario: str, method: str) -> bool:
         return scenario in self.together and len(self.together) > 1 and method not in CLUSTER_SHAPED
@@ -145,6 +165,28 @@ class SharedRuns:
         run = self._runs[key]
         trace = run["trace"] if scenario == self.together[0] else run["also_traces"][scenario]
         return {**run, "trace": trace}
+
+
+class PlannedRuns(SharedRuns):
+    """Runs nothing: notes every run a session would ask for (name -> overrides), answering with stand-in results
+    (every method reaches the target together), so the session's run count is known before its first run."""
+
+    def __init__(self, together: tuple[str, ...], folder: Path) -> None:
+        super().__init__(together, folder, folder / "work")
+        self.planned: dict[str, list[str]] = {}
+
+    def _run_sim(self, overrides: list[str], name: str) -> dict:
+        self.planned.setdefault(name, list(overrides))
+        steps = int(next(o for o in overrides if o.startswith("trainer.max_steps=")).split("=", 1)[1])
+        trace = [(1, 1.0, 1.0), (steps, 1.0, float(steps))]
+        return {"trace": trace, "also_traces": {name: trace for name in self.together[1:]}, "val_loss": 1.0,
+                "goodput": 1.0, "bytes_sent": 0}
+
+    def planned_progress(self) -> ScriptProgress:
+        """The session's progress: every planned run, those recorded already counted as done. An estimate where
+        real results change what runs (a method a scenario cannot run; which of GASLoC's forms is best)."""
+        kept = sum(self.recorded(overrides, name) is not None for name, overrides in self.planned.items())
+        return ScriptProgress(total=len(self.planned), recorded=kept)
 
 
 def tuning_key(score: dict) -> tuple[float, float]:
@@ -392,18 +434,29 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
                                                             inner_steps)
     check_noise_draws(scenarios, seeds)
     path = out / f"multicloud_n{workers}.json"
+    together, folder = tuple(name for name in scenarios if name in CLOCK_ONLY), out / "runs" / f"n{workers}"
+
+    def session(runs: SharedRuns, name: str) -> tuple[Scenario, dict, dict, dict]:
+        scenario = Scenario(name, workers, steps, inner_steps, runs, methods)
+        if choices is None:
+            protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
+            chosen = scenario.tune(tuning_seed, (given or {}).get(name), outer)
+        else:
+            protocol, chosen = choices[name]
+        return scenario, protocol, chosen, scenario.held_out(chosen, seeds, forms)
+
+    plan = PlannedRuns(together, folder)
+    with contextlib.redirect_stdout(io.StringIO()):  # the plan's stand-in tuning says nothing
+        for name in scenarios:
+            session(plan, name)
+    progress = plan.planned_progress()
+    print(f"{progress.total} gasloc-sim runs at n = {workers}, {progress.recorded} recorded already in {folder}",
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = SharedRuns(tuple(name for name in scenarios if name in CLOCK_ONLY), out / "runs" / f"n{workers}",
-                          Path(tmp))
+        runs = SharedRuns(together, folder, Path(tmp), progress)
         for name in scenarios:
             print(f"{name} at n = {workers}", flush=True)
-            scenario = Scenario(name, workers, steps, inner_steps, runs, methods)
-            if choices is None:
-                protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
-                chosen = scenario.tune(tuning_seed, (given or {}).get(name), outer)
-            else:
-                protocol, chosen = choices[name]
-            results = scenario.held_out(chosen, seeds, forms)
+            scenario, protocol, chosen, results = session(runs, name)
             current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
                        "held_out_seeds": list(seeds), "tuning": chosen,
                        "not_run": [method for method in METHODS if method not in methods], "results": results}

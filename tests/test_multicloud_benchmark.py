@@ -220,6 +220,39 @@ def test_a_rerun_reads_the_recorded_runs_back_and_resumes_where_it_stopped(tmp_p
     assert record["results"]["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5, 0.5])
 
 
+def test_each_run_says_which_of_how_many_its_eta_and_a_resumed_session_counts_the_recorded(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """The session counts its runs before the first one; a session stopped after 4 runs resumes at run 5 of the same
+    total, with 4 done."""
+    calls = []
+
+    def stops_after(count):
+        def run_sim(overrides, out):
+            if len(calls) == count:
+                raise KeyboardInterrupt
+            calls.append(overrides)
+            return _stand_in_run(overrides, out)
+        return run_sim
+
+    argv = ["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--methods", "diloco", "gasloc_one_peer",
+            "--out", str(tmp_path)]
+    monkeypatch.setattr(mc, "run_sim", stops_after(4))
+    with pytest.raises(KeyboardInterrupt):
+        mc.main(argv)
+    first = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("run ")]
+    total = int(first[0].split(" of ")[1].split()[0])
+    assert first[0].startswith(f"run 1 of {total} (0 done): ") and first[0].endswith("| ETA -"), first[0]
+    assert first[3].startswith(f"run 4 of {total} (3 done): ") and "ETA -" not in first[3], first[3]
+    monkeypatch.setattr(mc, "run_sim", stops_after(10**6))
+    mc.main(argv)
+    second = capsys.readouterr().out
+    assert f"{total} gasloc-sim runs at n = 4, 4 recorded already" in second
+    resumed = [line.strip() for line in second.splitlines() if line.strip().startswith("run ")]
+    assert resumed[0].startswith(f"run 5 of {total} (4 done): "), resumed[0]
+    assert len(calls) == total, "the plan counted other runs than the session ran"
+    assert resumed[-1].startswith(f"run {total} of {total} ({total - 1} done): ")
+
+
 def test_gaslocs_best_form_is_chosen_on_the_tuning_seed_and_alone_runs_the_held_out_seeds(tmp_path, monkeypatch):
     monkeypatch.setattr(mc, "run_sim", _stand_in_run)
     ran = _methods_run(monkeypatch)

@@ -156,11 +156,14 @@ def test_two_site_elastic_run_with_a_partition_every_worker_ends_on_one_model(tm
     from step 15 until the furthest worker reaches step 30: the window is in the run's steps (seen in the workers'
     progress), not in seconds, so the cut spans at least one round boundary on any machine (a seconds window could
     fall inside one round's compute and cut nothing). Site 0 trains through it; worker 2 cannot form a quorum alone,
-    waits, comes back and heals from a peer; all three end at max_steps on one model."""
+    waits, comes back and heals from a peer; all three end at max_steps on one model. Its output (a pipe) carries
+    the live status lines, and its TensorBoard (logger=tensorboard) each worker's run and the launcher's, with each
+    link's measured throughput."""
     output = tmp_path / "run"
     command = [sys.executable, "-m", "gasloc_lightning.app.netlab", *FAST, "elastic.workers=3",
                "elastic.quorum_timeout=120", "network=two_clusters", "netlab.faults=[partition:1@15-30]",
-               f"output_dir={output}", f"cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
+               "logger=tensorboard", f"output_dir={output}", f"cache_dir={cache_dir}",
+               f"hydra.run.dir={tmp_path / 'hydra'}"]
     with _lab_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
         stdout, stderr = process.communicate(timeout=380)
     tail = stdout[-4000:] + stderr[-3000:]
@@ -179,6 +182,23 @@ def test_two_site_elastic_run_with_a_partition_every_worker_ends_on_one_model(tm
     assert summary["models"] == 1
     cut_off = read_progress(output / "worker_2")
     assert cut_off["healed_rounds"] and cut_off["applied"] < MAX_STEPS, cut_off  # it missed rounds, then healed
+    _assert_live_view(stdout, output)
+
+
+def _assert_live_view(stdout: str, output: Path) -> None:
+    """gasloc-netlab prints the live status as gasloc-elastic does, and logs each link's Mbit/s in both directions
+    (bytes crossed the link: some sample is > 0) next to the workers' runs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    status = [line for line in stdout.splitlines() if line.startswith("status: step ")]
+    assert status and f"step {MAX_STEPS}/{MAX_STEPS}" in status[-1], status[-3:]
+    board = output / "tensorboard"
+    assert sorted(p.name for p in board.iterdir()) == ["launcher", "worker_0", "worker_1", "worker_2"]
+    launcher = EventAccumulator(str(board / "launcher"))
+    launcher.Reload()
+    for tag in ("launcher/link_0_to_1_mbit_s", "launcher/link_1_to_0_mbit_s"):
+        rates = [event.value for event in launcher.Scalars(tag)]
+        assert rates and max(rates) > 0, (tag, rates)
 
 
 @pytest.mark.timeout(300)

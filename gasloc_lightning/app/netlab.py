@@ -28,13 +28,14 @@ line saying so, exit status 2.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from gasloc_lightning.app.config import NetlabSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic import (ELASTIC_SUMMARY_FILE, ElasticAppSchema, ElasticInterrupted, ElasticRun,
                                           check_elastic, max_workers_of, print_table, raise_if_failed)
+from gasloc_lightning.app.run_tensorboard import LauncherSeries
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, raise_if_split
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.comm.quorum_floor import majority
@@ -55,10 +57,12 @@ from gasloc_lightning.netlab import (Fault, FaultSchedule, Lab, LabError, LabPla
                                      plan_lab)
 from gasloc_lightning.netlab.clock_check import busiest_round, measure, median, predict_allreduce, predict_gossip
 from gasloc_lightning.netlab.lab import SITE_DEVICE
+from gasloc_lightning.netlab.link_meter import LinkMeter
 from gasloc_lightning.netlab.placement import SitePlacement
 from gasloc_lightning.network import NetworkModel
 from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV, terminate
 
+log = logging.getLogger(__name__)
 MODES = ("elastic", "train", "clock")
 NETLAB_SUMMARY_FILE = "netlab_summary.json"
 _POLL_S = 0.2
@@ -225,8 +229,12 @@ def _elastic_config(cfg: DictConfig, plan: LabPlan) -> DictConfig:
 
 
 def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fault]) -> dict[str, Any]:
-    run = ElasticRun(elastic_cfg, on_poll=lambda run: schedule.poll(run.furthest_step()),
-                     placement=SitePlacement(lab))
+    def poll(run: ElasticRun) -> None:
+        schedule.poll(run.furthest_step())
+        _log_links(meter, run.series, run.furthest_step())
+
+    run = ElasticRun(elastic_cfg, on_poll=poll, placement=SitePlacement(lab))
+    meter = LinkMeter.of_lab(lab, every_s=cfg.elastic.status_every_s)
     schedule = FaultSchedule(faults, lab, flap_period_s=cfg.netlab.flap_period_s,
                              report=lambda text: _report_fault(run, text))
     signum, summary = run_in_lab(run, schedule)
@@ -242,6 +250,20 @@ def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fa
           f"{sorted({row['final_step'] for row in finished})} on {len(checksums)} model(s)", flush=True)
     raise_if_split(summary, run.run_dir)  # main() says gasloc-netlab
     return {"faults": schedule.fired, "workers": summary["workers"], "models": len(checksums)}
+
+
+def _log_links(meter: LinkMeter, series: LauncherSeries, step: int) -> None:
+    """With logger=tensorboard, each link's measured throughput goes to the launcher's series (read from the
+    links' tc counters every ``elastic.status_every_s``); a failed read is logged and skipped, never fatal."""
+    if series.log_dir is None:
+        return
+    try:
+        rates = meter.poll()
+    except LabError as error:
+        log.warning("netlab: could not read the links' counters: %s", error)
+        return
+    if rates is not None:
+        series.links(rates, step)
 
 
 def _report_fault(run: ElasticRun, text: str) -> None:
@@ -334,6 +356,8 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
     base = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     processes: list[subprocess.Popen] = []
     started = time.monotonic()
+    # no step is shared by the ranks here: the links' series are logged against the seconds since the start
+    series, meter = LauncherSeries.for_run(cfg), LinkMeter.of_lab(lab, every_s=cfg.elastic.status_every_s)
     try:
         for rank in range(world):
             env = {**base, "MASTER_ADDR": plan.addresses[0], "MASTER_PORT": str(cfg.netlab.train_port),
@@ -345,9 +369,11 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
             with open(run_dir / f"rank_{rank}.log", "ab") as log_file:
                 processes.append(subprocess.Popen(lab.wrap(command, plan.worker_sites[rank]), env=env,
                                                   stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
-        codes = _wait_all(processes, cfg.netlab.timeout_s)
+        codes = _wait_all(processes, cfg.netlab.timeout_s,
+                          on_poll=lambda: _log_links(meter, series, int(time.monotonic() - started)))
     finally:
         terminate(processes, 5.0)
+        series.close()
     wall_s = time.monotonic() - started
     print(f"netlab: {world} ranks exited {codes} after {wall_s:.1f}s", flush=True)
     if any(code != 0 for code in codes):
@@ -371,13 +397,17 @@ def rank_overrides(overrides: list[str]) -> list[str]:
     return [override for override in overrides if not _is_under(override, _NOT_FOR_RANKS)]
 
 
-def _wait_all(processes: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    """Wait for every process; the first failure or the timeout ends the wait (the caller stops the rest)."""
+def _wait_all(processes: list[subprocess.Popen], timeout_s: float,
+              on_poll: Callable[[], None] | None = None) -> list[int | None]:
+    """Wait for every process; the first failure or the timeout ends the wait (the caller stops the rest).
+    ``on_poll``: called at every poll."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         codes = [p.poll() for p in processes]
         if all(code is not None for code in codes) or any(code not in (None, 0) for code in codes):
             return codes
+        if on_poll is not None:
+            on_poll()
         time.sleep(_POLL_S)
     raise TimeoutError(f"the ranks ran past netlab.timeout_s={timeout_s:g}s: stopped")
 

@@ -2,12 +2,14 @@
 
 Each worker's ``TensorBoardLogger`` writes ``<output_dir>/tensorboard/worker_<W>`` (not its own folder), and the
 launcher writes its own series to ``<output_dir>/tensorboard/launcher``: the quorum size, the live workers, the
-failed exchanges and the bytes per second of its live status, and each chaos or fault event (a count, and its text).
+failed exchanges and the bytes per second of its live status, each chaos or fault event (a count, and its text) and,
+in the lab (``gasloc-netlab``), each link's measured throughput (``launcher/link_<a>_to_<b>_mbit_s``).
 ``tensorboard --logdir <output_dir>/tensorboard`` then shows every worker and the launcher side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,14 @@ class LauncherSeries:
         for name, value in values.items():
             if value is not None:
                 writer.add_scalar(f"launcher/{name}", float(value), step)
+
+    def links(self, mbit_per_s: Mapping[tuple[int, int], float], step: int) -> None:
+        """Each lab link's measured throughput (site a to site b, Mbit/s) at ``step``."""
+        writer = self._write()
+        if writer is None:
+            return
+        for (a, b), rate in sorted(mbit_per_s.items()):
+            writer.add_scalar(f"launcher/link_{a}_to_{b}_mbit_s", float(rate), step)
 
     def event(self, text: str, step: int) -> None:
         """A chaos or fault event: its running count as a scalar and its text."""

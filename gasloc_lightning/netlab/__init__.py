@@ -3,6 +3,7 @@
 - :mod:`~gasloc_lightning.netlab.plan`: the sites, addresses and link rates of a ``network=`` preset (pure);
 - :mod:`~gasloc_lightning.netlab.lab`: the namespaces, veth links and htb shapers, and their removal;
 - :mod:`~gasloc_lightning.netlab.faults`: ``partition``, ``flap`` and ``slow`` on a site's link;
+- :mod:`~gasloc_lightning.netlab.link_meter`: each link's measured throughput, from its htb class's byte counter;
 - :mod:`~gasloc_lightning.netlab.probe`: timed gloo collectives across the sites (the clock check);
 - :mod:`~gasloc_lightning.netlab.shell`: the ``ip`` and ``tc`` commands.
 

@@ -126,20 +126,20 @@ class Lab:
                 continue
             self._shape_pair(site, other, "add")
             run("tc", "-n", ns, "filter", "add", "dev", SITE_DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
-                "u32", "match", "ip", "dst", f"{self.plan.addresses[other]}/32", "flowid", _class(other))
+                "u32", "match", "ip", "dst", f"{self.plan.addresses[other]}/32", "flowid", class_of_site(other))
 
     def _shape_pair(self, site: int, other: int, verb: str) -> None:
         """The htb class from ``site`` to ``other`` and the short queue under it, both sized for the rate in force
         (``verb``: ``add`` when building, ``change`` when a fault changes the rate)."""
         ns = self.site_namespace(site)
         parent = "1:" if self.plan.uplinks_mbit is None else _UPLINK_CLASS
-        run("tc", "-n", ns, "class", verb, "dev", SITE_DEVICE, "parent", parent, "classid", _class(other), "htb",
+        run("tc", "-n", ns, "class", verb, "dev", SITE_DEVICE, "parent", parent, "classid", class_of_site(other), "htb",
             *self._class_args(site, other))
         # A short queue under each class (fq_codel, sfq and netem are not in this kernel): the default, 1000
         # segments, holds seconds at these rates, and gloo sends both directions of a pair over one TCP
         # connection, so one direction's ACKs would wait behind the other's data. Resized with the rate: a queue
         # sized for the planned rate would hold seconds of data under a ``slow`` cap.
-        run("tc", "-n", ns, "qdisc", verb, "dev", SITE_DEVICE, "parent", _class(other), "bfifo", "limit",
+        run("tc", "-n", ns, "qdisc", verb, "dev", SITE_DEVICE, "parent", class_of_site(other), "bfifo", "limit",
             str(_queue_bytes(self._rates[site][other])))
 
     def _shape_ingress(self, site: int, mbit: float) -> None:
@@ -260,8 +260,10 @@ def _listed_namespaces() -> list[str]:
         return []
 
 
-def _class(site: int) -> str:
+def class_of_site(site: int) -> str:
+    """The htb class id that shapes a site's link towards ``site`` (on the sending site's ``wan``)."""
     return f"1:{10 + site:x}"
+
 
 
 def _queue_bytes(mbit: float) -> int:
