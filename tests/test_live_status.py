@@ -151,3 +151,26 @@ def test_on_a_terminal_the_line_is_redrawn_in_place_and_stays_after_close():
     drawn = b"".join(chunks).decode()
     assert "status: step 1/10" in drawn and "status: step 2/10" in drawn, "every look is drawn (every_s is for files)"
     assert "\x1b[1A" in drawn or "\r" in drawn, "the line is redrawn in place, not appended"
+
+
+def test_the_readme_figure_is_rendered_from_a_runs_event_files(tmp_path):
+    """benchmarks/tensorboard_view.py (the README's TensorBoard figure): one panel per series found, every run."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    from pathlib import Path
+
+    from gasloc_lightning.app.run_tensorboard import LauncherSeries
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tensorboard_view.py"
+    spec = importlib.util.spec_from_file_location("tensorboard_view", script)
+    view = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(view)
+    board = tmp_path / "tensorboard"
+    series = LauncherSeries(board / "launcher")
+    series.status(status_of({0: _record(10, quorum=4)}, max_steps=100, now=0.0))
+    series.status(status_of({0: _record(20, quorum=3)}, max_steps=100, now=1.0))
+    series.close()
+    found = view.read_scalars(board, ("launcher/quorum_size", "train/loss"))
+    assert found == {"launcher/quorum_size": {"launcher": [(10, 4.0), (20, 3.0)]}}, "only the series logged"
+    view.main([str(board), "--out", str(tmp_path / "view.png"), "--tags", "launcher/quorum_size"])
+    assert (tmp_path / "view.png").stat().st_size > 0
