@@ -20,7 +20,8 @@ def _stand_in(ran: list[str], fail_at: int | None = None):
         folder = Path(next(arg for arg in command if arg.startswith("output_dir=")).split("=", 1)[1])
         steps = int(next(arg for arg in command if arg.startswith("trainer.max_steps=")).split("=", 1)[1])
         ran.append(folder.name)
-        rows = ["step,progress/wall_time_s,val/loss"] + [f"{s},{s * 0.5},{5.0 - 0.01 * s}" for s in range(10, steps + 1, 10)]
+        rows = ["step,progress/wall_time_s,val/loss"]
+        rows += [f"{s},{s * 0.5},{5.0 - 0.01 * s}" for s in range(10, steps + 1, 10)]
         (folder / "csv").mkdir(parents=True)
         (folder / "csv" / "metrics.csv").write_text("\n".join(rows) + "\n")
         return 0
@@ -46,7 +47,8 @@ def test_claim3_prints_which_run_of_how_many_and_resumes_from_what_is_recorded(t
     assert ran == ["streaming"], "the recorded runs ran again"
     assert "seed 0 diloco: recorded in" in second and "run 3 of 3 (2 done)" in second
     results = json.loads((tmp_path / "claim3.json").read_text())
-    assert [r["method"] for r in results] == ["diloco", "gasloc one_peer+overlap", "streaming diloco (F=4, overlap, int4)"]
+    assert [r["method"] for r in results] == ["diloco", "gasloc one_peer+overlap",
+                                              "streaming diloco (F=4, overlap, int4)"]
     assert results[0]["ratio"] == 1.0
 
 

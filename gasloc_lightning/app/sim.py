@@ -12,10 +12,10 @@ Presets, strategies (gasloc, diloco, local), topologies, networks and models are
 ``sim.*`` adds the worker count, churn and progress. The job writes ``summary.json`` and
 ``csv/metrics.csv`` as gasloc-train does (the strategy record carries ``engine: sim``), so
 ``gasloc-compare`` reads both kinds of run side by side; with ``logger=tensorboard`` the same rows also go to
-``<output_dir>/tensorboard``. At each validation the spread across the n replicas is logged too (min, median and
-max of each replica's own validation loss, ``spread/val_loss_*``, and ``comm/consensus_distance``). Bad input (a worker count the topology
-cannot have, an unstable gamma, a run that does not fit in memory, a churn schedule that empties the
-quorum) is refused before any step.
+``<output_dir>/tensorboard``. At each validation the spread across the n replicas is logged too (min, median
+and max of each replica's own validation loss, ``spread/val_loss_*``, and ``comm/consensus_distance``). Bad
+input (a worker count the topology cannot have, an unstable gamma, a run that does not fit in memory, a churn
+schedule that empties the quorum) is refused before any step.
 """
 
 from __future__ import annotations

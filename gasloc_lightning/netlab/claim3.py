@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", type=float, default=0.002, help="netlab.bandwidth_scale (0.002: 2 Mbit/s)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--reuse", action="store_true", help="also read runs under --out that left a metrics.csv but no run.json record "
-                        "(runs recorded in run.json are always read back)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="also read runs under --out that left a metrics.csv but no run.json record (runs "
+                             "recorded in run.json are always read back)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     progress = planned_progress(args.seeds, args.methods, args.steps, args.scale, args.out, args.reuse)
