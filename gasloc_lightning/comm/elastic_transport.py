@@ -11,7 +11,8 @@ all-reduces: consensus evaluation, the end-of-fit average). The first error of a
 :attr:`error` for the membership to report after the round's collectives.
 
 Authentication (``docs/security.md``): with a :class:`~gasloc_lightning.comm.member_auth.MemberAuthenticator`,
-the quorum's members are challenged before its first exchange (:meth:`ElasticTransport.admitted`); a refused
+the quorum's members attest and agree on one admitted set before its first exchange (:meth:`ElasticTransport.admitted`,
+over the quorum's rendezvous store: no gloo operation); a refused
 member is never sent or read anything (:attr:`refused_members` counts refusals), and an all-reduce then runs as
 a ring over the admitted members (:mod:`~gasloc_lightning.comm.ring`). With a
 :class:`~gasloc_lightning.comm.message_auth.MessageAuthenticator`, every message and ring chunk travels with a
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # torchft's PGTransport uses tags 1, 2, 3+i on the same process group: ours stay clear of them.
 _GOSSIP_TAG = 1000
-_GOSSIP_TAG_TAG = 1003  # a gossip message's keyed tag (member_auth uses 1001-1002, the ring 1004-1005)
+_GOSSIP_TAG_TAG = 1003  # a gossip message's keyed tag (the ring uses 1004-1005)
 
 
 class ElasticCollectiveError(RuntimeError):
@@ -53,7 +54,9 @@ class ElasticTransport:
         numel: elements of one message.
         membership: the worker's membership (its process group is reconfigured at every quorum change).
         device: where buffers live (CPU: torchft's gloo group).
-        member_auth: challenges every quorum member before the quorum's first exchange (``None``: trusts them).
+        member_auth: authenticates the quorum's members before its first exchange (``None``: trusts them); each
+            waits for the others' attestations at most ``gossip_timeout + transfer_timeout`` (a joiner attests once
+            its heal is done, and its first exchange is then allowed ``gossip_timeout``).
         message_auth: tags every message and checks every received one (``None``: no tags).
     """
 
@@ -64,6 +67,7 @@ class ElasticTransport:
         self.device = torch.device("cpu") if device is None else device
         self.dtype = torch.float32
         self.timeout = membership.gossip_timeout
+        self.challenge_timeout = membership.gossip_timeout + getattr(membership, "transfer_timeout", 0.0)
         self.counters = TrafficCounters()
         self.failed_exchanges = 0
         self.failed_collectives = 0
@@ -88,7 +92,8 @@ class ElasticTransport:
 
     def admitted(self) -> tuple[int, ...]:
         """The quorum indices this worker exchanges with (its own included): every member, or with member
-        authentication those that answered this quorum's challenge (run at the quorum's first call)."""
+        authentication the set the quorum's members agreed on (:func:`~gasloc_lightning.comm.member_auth.verify_members`,
+        run at the quorum's first call): the same on every member in it."""
         quorum = self.membership.quorum
         key = (quorum.quorum_id, quorum.members)
         if key != self._quorum_key:
@@ -96,18 +101,18 @@ class ElasticTransport:
         if self.member_auth is None or not quorum.usable or quorum.size <= 1:
             return tuple(range(quorum.size))
         if self._check is None:
-            self._check = verify_members(self.membership.process_group, quorum_id=quorum.quorum_id,
-                                         members=quorum.members, index=quorum.index,
-                                         authenticator=self.member_auth, timeout=self.timeout)
+            self._check = verify_members(getattr(self.membership.process_group, "quorum_store", None),
+                                         quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
+                                         authenticator=self.member_auth, timeout=self.challenge_timeout)
             self.refused_members += len(self._check.refused)
             if self._check.unanswered and quorum.members not in self._silent_reported:
-                # Maybe an honest member that was slow: reported (the next quorum challenges again), but once per
-                # member set: a member that stays silent (an intruder) would else cost a new quorum and a
+                # Maybe an honest member that was slow: reported (the next quorum agrees again), but once per
+                # member set: a member that never attests (an intruder) would else cost a new quorum and a
                 # challenge deadline every round; the second time the same members meet, the silent ones stay
                 # refused for that quorum's life and the others exchange.
                 self._silent_reported.add(quorum.members)
                 self.error = self.error or RuntimeError(
-                    "no answer to the member challenge from " + ",".join(quorum.names[i] for i in self._check.unanswered))
+                    "not in this quorum's agreed member set (no attestation in time): " + ",".join(quorum.names[i] for i in self._check.unanswered))
         return self._check.admitted
 
     def take_error(self) -> Exception | None:

@@ -245,6 +245,14 @@ class BoundProcessGroupGloo(_TorchftGloo):
         super().__init__(timeout=timeout)
         self._endpoint = endpoint
         self._closed = False
+        self._quorum_store: Store | None = None
+
+    @property
+    def quorum_store(self) -> Store | None:
+        """The current quorum's rendezvous store (torchft's ``PrefixStore`` for this quorum id, members and round;
+        ``None`` before the first configure or after :meth:`close`): member authentication agrees over it
+        (:mod:`~gasloc_lightning.comm.member_auth`)."""
+        return self._quorum_store
 
     @property
     def endpoint(self) -> Endpoint:
@@ -260,6 +268,7 @@ class BoundProcessGroupGloo(_TorchftGloo):
             raise RuntimeError(f"this gloo group was closed while it was configured (replica {replica_id})")
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _C10dGroup:
+        self._quorum_store = store
         backend = self._gloo_backend(store, rank, world_size)
         group = _C10dGroup(store, rank, world_size)
         group._set_default_backend(_C10dGroup.BackendType.GLOO)
@@ -292,6 +301,7 @@ class BoundProcessGroupGloo(_TorchftGloo):
         """Abort pending collectives and drop the group (gloo closes its sockets with the last reference); the
         group cannot be configured again."""
         self._closed = True
+        self._quorum_store = None
         self.abort(errored=False)
 
 
