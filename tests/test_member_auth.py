@@ -220,10 +220,18 @@ def test_member_authentication_posts_nothing_on_the_process_group_and_leaves_no_
     """Defect (b) of the lab run: a challenge over gloo left a receive pending for a silent member, in a daemon thread;
     torn down, the group aborted the process (gloo::EnforceNotMet). The agreement runs over the store only."""
     mailbox = Mailbox()
+    transports = {0: _elastic_transport(mailbox, 0, SECRET, tagged=False, gossip_timeout=30.0),
+                  1: _elastic_transport(mailbox, 1, SECRET, tagged=False, gossip_timeout=0.3)}
+    started = threading.Event()
+    mailbox.on_first_write[0] = started.set
     threads = set(threading.enumerate())
-    _honest_pair(mailbox, tagged=False)  # rank 2 is silent
+    with ThreadPoolExecutor(1) as pool:  # rank 2 is silent
+        first = pool.submit(transports[0].admitted)
+        assert started.wait(20)
+        admitted = {1: transports[1].admitted(), 0: first.result(timeout=60)}
     assert mailbox.posted == [] and mailbox.sent == {}  # not one send or receive on the group
     assert [t for t in threading.enumerate() if t not in threads and t.is_alive()] == []
+    assert admitted == {0: (0, 1), 1: (0, 1)}
 
 
 @pytest.mark.parametrize("tagged", [False, True], ids=["plain", "tagged"])
