@@ -56,7 +56,8 @@ class ElasticTransport:
         device: where buffers live (CPU: torchft's gloo group).
         member_auth: authenticates the quorum's members before its first exchange (``None``: trusts them); each
             waits for the others' attestations at most ``gossip_timeout + transfer_timeout`` (a joiner attests once
-            its heal is done, and its first exchange is then allowed ``gossip_timeout``).
+            its heal is done, and its first exchange is then allowed ``gossip_timeout``), or ``gossip_timeout``
+            when the same member set already had a member missing.
         message_auth: tags every message and checks every received one (``None``: no tags).
     """
 
@@ -101,9 +102,13 @@ class ElasticTransport:
         if self.member_auth is None or not quorum.usable or quorum.size <= 1:
             return tuple(range(quorum.size))
         if self._check is None:
+            # A member set that already had a member missing (reported once, below) waits gossip_timeout only, what
+            # any exchange allows a peer: a member without the secret that forces a new quorum every round (a
+            # failed heal does) would else cost the heal allowance too in every round.
+            timeout = self.timeout if quorum.members in self._silent_reported else self.challenge_timeout
             self._check = verify_members(getattr(self.membership.process_group, "quorum_store", None),
                                          quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
-                                         authenticator=self.member_auth, timeout=self.challenge_timeout)
+                                         authenticator=self.member_auth, timeout=timeout)
             self.refused_members += len(self._check.refused)
             if self._check.unanswered and quorum.members not in self._silent_reported:
                 # Maybe an honest member that was slow: reported (the next quorum agrees again), but once per
