@@ -162,7 +162,8 @@ def test_members_with_the_secret_admit_each_other_and_refuse_one_without_it():
 
 def test_a_silent_member_is_refused_once_the_deadline_passes():
     checks = _verify(HashStore(), [(0, SECRET), (1, SECRET)])  # rank 2 never attests
-    assert [(check.admitted, check.refused, check.unanswered) for check in checks.values()] == [((0, 1), (2,), (2,))] * 2
+    outcomes = [(check.admitted, check.refused, check.unanswered) for check in checks.values()]
+    assert outcomes == [((0, 1), (2,), (2,))] * 2
 
 
 def test_an_attestation_or_a_decision_proves_nothing_for_another_quorum_member_or_set():

@@ -76,7 +76,7 @@ class ElasticTransport:
         self._receive_buffers: list[Tensor] = []
         self._tag_buffers: list[Tensor] = []
         self.member_auth, self.message_auth = member_auth, message_auth
-        self.refused_members = 0  # members refused by their challenge (once per member and quorum)
+        self.refused_members = 0  # members left out of the agreed admitted set (once per member and quorum)
         self.unauthentic_messages = 0  # received messages or ring chunks whose tag failed (dropped)
         self._quorum_key: tuple | None = None  # the quorum the two below belong to
         self._check: MemberCheck | None = None
@@ -93,8 +93,8 @@ class ElasticTransport:
 
     def admitted(self) -> tuple[int, ...]:
         """The quorum indices this worker exchanges with (its own included): every member, or with member
-        authentication the set the quorum's members agreed on (:func:`~gasloc_lightning.comm.member_auth.verify_members`,
-        run at the quorum's first call): the same on every member in it."""
+        authentication the set the quorum's members agreed on (run at the quorum's first call:
+        :func:`~gasloc_lightning.comm.member_auth.verify_members`): the same on every member in it."""
         quorum = self.membership.quorum
         key = (quorum.quorum_id, quorum.members)
         if key != self._quorum_key:
@@ -113,11 +113,12 @@ class ElasticTransport:
             if self._check.unanswered and quorum.members not in self._silent_reported:
                 # Maybe an honest member that was slow: reported (the next quorum agrees again), but once per
                 # member set: a member that never attests (an intruder) would else cost a new quorum and a
-                # challenge deadline every round; the second time the same members meet, the silent ones stay
+                # wait every round; the second time the same members meet, the silent ones stay
                 # refused for that quorum's life and the others exchange.
                 self._silent_reported.add(quorum.members)
+                missing = ",".join(quorum.names[i] for i in self._check.unanswered)
                 self.error = self.error or RuntimeError(
-                    "not in this quorum's agreed member set (no attestation in time): " + ",".join(quorum.names[i] for i in self._check.unanswered))
+                    f"not in this quorum's agreed member set (no attestation in time): {missing}")
         return self._check.admitted
 
     def take_error(self) -> Exception | None:
@@ -150,8 +151,9 @@ class ElasticTransport:
             if not quorum.usable:
                 pending.works.append((peer, [_FailedWork(RuntimeError(f"unusable quorum: {quorum.error}"))]))
                 continue
-            if peer not in admitted:  # refused by its challenge: nothing is sent to it or read from it
-                pending.works.append((peer, [_FailedWork(RuntimeError("refused member (failed its challenge)"))]))
+            if peer not in admitted:  # refused (not in the agreed set): nothing is sent to it or read from it
+                refused = RuntimeError("refused member (not in the agreed admitted set)")
+                pending.works.append((peer, [_FailedWork(refused)]))
                 continue
             try:  # every receive and send is posted before any wait (a triangle cannot deadlock); the receive
                 # first, so both directions flow at once (see transport._RECV_FIRST)
@@ -273,7 +275,7 @@ class ElasticTransport:
         self._collectives += 1
         if len(ring) < least:
             raise RuntimeError(f"only {len(ring)} of the quorum's {quorum.size} members admitted (at least {least} "
-                               "needed): the others were refused or did not answer their challenge")
+                               "needed): the others were refused or did not attest in time")
         if len(ring) <= 1:
             return ring
         if self.message_auth is None and len(ring) == quorum.size:

@@ -122,6 +122,8 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
     keys = [authenticator.key_name(quorum_id=quorum_id, members=members, index=peer) for peer in range(n)]
     decision_key = authenticator.key_name(quorum_id=quorum_id, members=members)
     try:
+        if store is None:
+            raise RuntimeError("the quorum's process group has no rendezvous store (not configured)")
         store.set(keys[index], authenticator.attestation(quorum_id=quorum_id, members=members, index=index))
         value = _agree(store, keys, decision_key, time.monotonic() + timeout,
                        lambda: _decide(store, keys, authenticator, quorum_id, members, index))
@@ -156,6 +158,9 @@ def _agree(store: Any, keys: list[str], decision_key: str, deadline: float, deci
 def _decide(store: Any, keys: list[str], authenticator: MemberAuthenticator, quorum_id: int,
             members: tuple[str, ...], index: int) -> bytes:
     """This worker's proposal: itself and every member whose attestation is in the store and checks."""
-    proven = [peer for peer in range(len(members)) if peer == index or (store.check([keys[peer]]) and hmac.compare_digest(
-        bytes(store.get(keys[peer])), authenticator.attestation(quorum_id=quorum_id, members=members, index=peer)))]
+    def attested(peer: int) -> bool:
+        expected = authenticator.attestation(quorum_id=quorum_id, members=members, index=peer)
+        return store.check([keys[peer]]) and hmac.compare_digest(bytes(store.get(keys[peer])), expected)
+
+    proven = [peer for peer in range(len(members)) if peer == index or attested(peer)]
     return authenticator.seal_decision(quorum_id=quorum_id, members=members, admitted=tuple(proven))

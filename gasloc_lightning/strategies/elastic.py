@@ -279,7 +279,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     @property
     def refused_members(self) -> int:
-        """Quorum members refused by their challenge (once per member and quorum): they had not the secret."""
+        """Quorum members left out of the agreed admitted set (once per member and quorum): no secret, or too slow."""
         return self._transport.refused_members if isinstance(self._transport, ElasticTransport) else 0
 
     @property
