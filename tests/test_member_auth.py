@@ -399,9 +399,11 @@ def gloo_groups():
 
     made = []
 
-    def make(n: int) -> list:
+    def make(n: int, on_configured=None) -> list:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
         groups = [BoundProcessGroupGloo(endpoint=Endpoint(), timeout=timedelta(seconds=20)) for _ in range(n)]
+        for rank, group in enumerate(groups):
+            group.on_configured = None if on_configured is None else on_configured(rank)
         made.append((store, groups))
         address = f"127.0.0.1:{store.port}/quorum/{len(made)}"
         _run(range(n), lambda rank: groups[rank].configure(address, f"r{rank}", rank, n))
@@ -443,6 +445,29 @@ def test_on_gloo_a_silent_member_leaves_the_honest_ones_admitting_and_averaging_
     assert means == [[1.0] * 6] * 2  # the mean of the two honest members
     assert [transports[rank].failed_collectives for rank in (0, 1)] == [0, 0]
     assert all("worker_0002" in str(t.take_error()) for t in transports.values())
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_members_attest_as_their_group_is_configured_so_a_late_first_exchange_is_not_late(gloo_groups):
+    """Every member attests inside torchft's configure (ElasticMembership.on_quorum_group), before any heal: a member
+    whose first exchange comes late (a joiner healing over a slow link) has attested long before, so the others
+    decide with it at once, however short their deadline."""
+    listeners = {}
+
+    def membership(rank):
+        quorum = Quorum(quorum_id=7, members=MEMBERS, index=rank, max_step=3, healed=False)
+        return SimpleNamespace(quorum=quorum, gossip_timeout=0.3, min_workers=1, name=f"worker_{rank:04d}",
+                               on_quorum_group=lambda listener: listeners.__setitem__(rank, listener))
+
+    memberships = {rank: membership(rank) for rank in range(3)}
+    transports = {rank: ElasticTransport(6, memberships[rank], member_auth=MemberAuthenticator(SECRET))
+                  for rank in range(3)}
+    groups = gloo_groups(3, on_configured=lambda rank: lambda store: listeners[rank](store, 7, MEMBERS, rank))
+    assert all(_attested(groups[0].quorum_store, SECRET, rank) for rank in range(3))  # before any exchange
+    for rank in range(3):
+        memberships[rank].process_group = groups[rank]
+    assert _run([0, 1], lambda rank: transports[rank].admitted()) == [(0, 1, 2), (0, 1, 2)]
+    assert transports[2].admitted() == (0, 1, 2)  # later: it reads the same decision
 
 
 @pytest.mark.timeout(60)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gasloc_lightning.comm.member_auth import MemberAuthenticator, MemberCheck, verify_members
+from gasloc_lightning.comm.member_auth import MemberAuthenticator, MemberCheck, attest, verify_members
 from gasloc_lightning.comm.membership import ElasticMembership
 from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, context, tag_bytes, tag_tensor
 from gasloc_lightning.comm.ring import UnauthenticMessageError, ring_all_reduce_sum
@@ -54,10 +54,10 @@ class ElasticTransport:
         numel: elements of one message.
         membership: the worker's membership (its process group is reconfigured at every quorum change).
         device: where buffers live (CPU: torchft's gloo group).
-        member_auth: authenticates the quorum's members before its first exchange (``None``: trusts them); each
-            waits for the others' attestations at most ``gossip_timeout + transfer_timeout`` (a joiner attests once
-            its heal is done, and its first exchange is then allowed ``gossip_timeout``), or ``gossip_timeout``
-            when the same member set already had a member missing.
+        member_auth: authenticates the quorum's members before its first exchange (``None``: trusts them). Each
+            attests as soon as the quorum's group is configured (a rendezvous all members complete together, before
+            any heal: :meth:`ElasticMembership.on_quorum_group`), and waits for the others' attestations at most
+            ``gossip_timeout``, what any exchange allows a peer.
         message_auth: tags every message and checks every received one (``None``: no tags).
     """
 
@@ -68,7 +68,6 @@ class ElasticTransport:
         self.device = torch.device("cpu") if device is None else device
         self.dtype = torch.float32
         self.timeout = membership.gossip_timeout
-        self.challenge_timeout = membership.gossip_timeout + getattr(membership, "transfer_timeout", 0.0)
         self.counters = TrafficCounters()
         self.failed_exchanges = 0
         self.failed_collectives = 0
@@ -82,6 +81,8 @@ class ElasticTransport:
         self._check: MemberCheck | None = None
         self._collectives = 0  # all-reduces in this quorum: bound into the ring's tags (no replay across them)
         self._silent_reported: set[tuple[str, ...]] = set()  # member sets whose silent members were reported
+        if member_auth is not None and hasattr(membership, "on_quorum_group"):  # attest as each quorum's group forms
+            membership.on_quorum_group(self._attest)
 
     @property
     def rank(self) -> int:
@@ -102,15 +103,14 @@ class ElasticTransport:
         if self.member_auth is None or not quorum.usable or quorum.size <= 1:
             return tuple(range(quorum.size))
         if self._check is None:
-            # A member set that already had a member missing (reported once, below) waits gossip_timeout only, what
-            # any exchange allows a peer: a member without the secret that forces a new quorum every round (a
-            # failed heal does) would else cost the heal allowance too in every round.
-            timeout = self.timeout if quorum.members in self._silent_reported else self.challenge_timeout
             self._check = verify_members(getattr(self.membership.process_group, "quorum_store", None),
                                          quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
-                                         authenticator=self.member_auth, timeout=timeout)
+                                         authenticator=self.member_auth, timeout=self.timeout)
             self.refused_members += len(self._check.refused)
-            if self._check.unanswered and quorum.members not in self._silent_reported:
+            if self._check.left_out:  # an honest member is never left out for good: the next quorum agrees again
+                self.error = self.error or RuntimeError(
+                    f"{self.membership.name} is not in this quorum's agreed member set (it attested too late)")
+            elif self._check.unanswered and quorum.members not in self._silent_reported:
                 # Maybe an honest member that was slow: reported (the next quorum agrees again), but once per
                 # member set: a member that never attests (an intruder) would else cost a new quorum and a
                 # wait every round; the second time the same members meet, the silent ones stay
@@ -120,6 +120,9 @@ class ElasticTransport:
                 self.error = self.error or RuntimeError(
                     f"not in this quorum's agreed member set (no attestation in time): {missing}")
         return self._check.admitted
+
+    def _attest(self, store: Any, quorum_id: int, members: tuple[str, ...], index: int) -> None:
+        attest(store, quorum_id=quorum_id, members=members, index=index, authenticator=self.member_auth)
 
     def take_error(self) -> Exception | None:
         """The first failure since the last call (for the membership's commit), then forget it."""

@@ -31,11 +31,12 @@ Nothing here imports Lightning; torchft (the ``elastic`` extra) is needed only b
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +52,8 @@ try:
 except ImportError:
     # The base install has no torchft: BoundProcessGroupGloo then refuses to be built (see its __init__).
     _TorchftGloo = object  # type: ignore[misc,assignment]
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["BoundProcessGroupGloo", "Endpoint", "bound_manager_server", "lighthouse_bind", "listening_store"]
 
@@ -246,6 +249,9 @@ class BoundProcessGroupGloo(_TorchftGloo):
         self._endpoint = endpoint
         self._closed = False
         self._quorum_store: Store | None = None
+        # Called with the quorum's store once each configure has built the group (before torchft's heal): see
+        # ElasticMembership.on_quorum_group. An exception there is logged, never raised into torchft's quorum.
+        self.on_configured: Callable[[Store], None] | None = None
 
     @property
     def quorum_store(self) -> Store | None:
@@ -266,6 +272,11 @@ class BoundProcessGroupGloo(_TorchftGloo):
         if self._closed:  # closed while the rendezvous ran: drop what it built
             self.abort(errored=False)
             raise RuntimeError(f"this gloo group was closed while it was configured (replica {replica_id})")
+        if self.on_configured is not None and self._quorum_store is not None:
+            try:
+                self.on_configured(self._quorum_store)
+            except Exception as error:  # noqa: BLE001 - the hook's failure must not fail torchft's quorum
+                _log.warning("on_configured hook failed replica=%s: %s", replica_id, error)
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _C10dGroup:
         self._quorum_store = store

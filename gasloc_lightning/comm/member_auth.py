@@ -43,7 +43,7 @@ from gasloc_lightning.comm.message_auth import context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemberAuthenticator", "MemberCheck", "verify_members"]
+__all__ = ["MemberAuthenticator", "MemberCheck", "attest", "verify_members"]
 
 ATTESTATION_BYTES = 32
 _LABEL = b"gasloc member-auth v2"
@@ -103,6 +103,15 @@ class MemberCheck:
     admitted: tuple[int, ...]
     refused: tuple[int, ...]
     unanswered: tuple[int, ...] = ()
+    left_out: bool = False  # this worker is not in the agreed set (or there is none): it exchanges with nobody
+
+
+def attest(store: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
+           authenticator: MemberAuthenticator) -> None:
+    """Write this worker's attestation for the quorum in its rendezvous ``store`` (idempotent). Done as soon as the
+    quorum's group is configured, before any heal, so that a joiner healing over a slow link is not late for it."""
+    store.set(authenticator.key_name(quorum_id=quorum_id, members=members, index=index),
+              authenticator.attestation(quorum_id=quorum_id, members=members, index=index))
 
 
 def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
@@ -124,7 +133,7 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
     try:
         if store is None:
             raise RuntimeError("the quorum's process group has no rendezvous store (not configured)")
-        store.set(keys[index], authenticator.attestation(quorum_id=quorum_id, members=members, index=index))
+        attest(store, quorum_id=quorum_id, members=members, index=index, authenticator=authenticator)
         value = _agree(store, keys, decision_key, time.monotonic() + timeout,
                        lambda: _decide(store, keys, authenticator, quorum_id, members, index))
     except Exception as error:  # noqa: BLE001 - a store that closed or timed out (DistStoreError, OSError, ...)
@@ -139,7 +148,8 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
     for peer in refused:
         log.warning("member refused quorum_id=%d member=%s worker=%s reason=%s", quorum_id,
                     members[peer].split(":")[0], me.split(":")[0], reason)
-    return MemberCheck(quorum_id=quorum_id, admitted=admitted, refused=refused, unanswered=refused)
+    return MemberCheck(quorum_id=quorum_id, admitted=admitted, refused=refused, unanswered=refused,
+                       left_out=agreed is None or index not in agreed)
 
 
 def _agree(store: Any, keys: list[str], decision_key: str, deadline: float, decide: Any) -> bytes:
