@@ -11,8 +11,8 @@ their ratio (a ratio measured within one run holds on a noisy machine, an absolu
 Over a real network the agreement costs store round trips, not bytes: each member writes its attestation (1),
 looks for a decision and for the others' attestations (2 per look, looks 10 ms apart doubling to 200 ms while
 members are missing), then the deciding member reads each attestation (2 per member) and writes the decision with
-``compare_set`` (1); the others read it (2). A member absent (no secret, dead, or slower than
-``gossip_timeout + transfer_timeout``) costs that wait instead, twice per member set (``docs/security.md``).
+``compare_set`` (1); the others read it (2). A member absent (no secret, or dead since the quorum's group was
+configured) costs a wait of ``gossip_timeout`` instead (``docs/security.md``).
 
 Usage::
 
