@@ -177,7 +177,7 @@ def test_an_attestation_or_a_decision_proves_nothing_for_another_quorum_member_o
     assert honest.open_decision(decision, quorum_id=7, members=MEMBERS) == (0, 1)
     assert honest.open_decision(decision, quorum_id=8, members=MEMBERS) is None  # replayed in another quorum
     assert honest.open_decision(decision[:-1] + b"2", quorum_id=7, members=MEMBERS) is None  # altered set
-    assert honest.open_decision(b"x" * (1 << 20), quorum_id=7, members=MEMBERS) is None  # refused unread
+    assert honest.open_decision(b"x" * (1 << 20), quorum_id=7, members=MEMBERS) is None  # too long: unparsed
 
 
 def test_a_decision_the_store_host_forged_admits_nobody_else():

@@ -8,7 +8,9 @@ so no gloo operation is ever left pending):
 
 1. **Attest.** Each member writes ``HMAC(key, "attest", quorum id, the quorum's sorted replica ids, its index)``
    under a key whose name is itself a MAC of (quorum id, replica ids, index): a host without the secret can
-   neither name, read in advance, nor write another member's attestation, and its own cannot exist.
+   neither name, read in advance, nor write another member's attestation, and its own cannot exist. A worker
+   attests (:func:`attest`) as soon as the quorum's gloo group is configured, a rendezvous every member completes
+   together before any heal, so a joiner healing over a slow link has attested long before its first exchange.
 2. **Agree.** Each member waits for every member's attestation, or until its deadline. The first member to get
    there writes a signed decision, ``HMAC(key, "decision", quorum id, replica ids, admitted) || admitted``, with
    the store's atomic ``compare_set``: one decision is ever written for a quorum, and every member (the slow ones
@@ -49,7 +51,7 @@ ATTESTATION_BYTES = 32
 _LABEL = b"gasloc member-auth v2"
 _KEY_PREFIX = "gasloc-member/"
 _POLL_FIRST, _POLL_MAX = 0.01, 0.2  # seconds between looks at the store while members are missing (doubling)
-_MAX_DECISION_BYTES = 32 + 8 * 4096  # a MAC and up to 4096 indices: anything longer is refused unread
+_MAX_DECISION_BYTES = 32 + 8 * 4096  # a MAC and up to 4096 indices: anything longer is refused unparsed
 
 
 class MemberAuthenticator:
