@@ -1,10 +1,10 @@
 """Member authentication against an intruder, with a real torchft lighthouse and real worker processes.
 
 Two honest workers (``gasloc-elastic``, tiny GPT, H = 5) train while a torchft member *without* the run's secret
-joins every quorum it can. It answers the challenge with a guess, posts receives for the gossip message from every
-member, and, behind the others, asks for a heal in every quorum. With member authentication on, every honest
-worker refuses it before any exchange: it receives no message and no state, and the honest workers finish on one
-model with no failed exchange (nothing was ever attempted with it).
+joins every quorum it can. It posts receives for the gossip message from every member, attests with a guess as an
+honest member would, and, behind the others, asks for a heal in every quorum. With member authentication on (the
+default), the honest members agree on an admitted set without it before any exchange: it receives no message and no
+state, and the honest workers finish on one model with no failed exchange (nothing was ever attempted with it).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ class Intruder:
             self.membership.commit(quorum.max_step)  # up to date from now on: no heal source, no heal
 
     def attack(self, quorum, challenged) -> None:
-        """Post a receive for every member's gossip message, then answer the challenge with a guess. (Its waits are
-        long: in gloo a receive that times out closes the connection, and would end the attack early.)"""
+        """Post a receive for every member's gossip message, then attest with a guess. (Its waits are long: in gloo
+        a receive that times out closes the connection, and would end the attack early.)"""
         pg = self.membership.process_group
         if quorum.size <= 1 or quorum.quorum_id == challenged:
             return
@@ -102,14 +102,14 @@ class Intruder:
             if peer != quorum.index:
                 self.buffers.append(torch.full((self.numel,), math.nan))
                 self.works.append(pg.recv([self.buffers[-1]], peer, GOSSIP_TAG))
-        verify_members(pg, quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
-                       authenticator=MemberAuthenticator(b"a-guess"), timeout=20)
+        verify_members(pg.quorum_store, quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
+                       authenticator=MemberAuthenticator(b"a-guess"), timeout=5)
 
     def received_a_message(self) -> bool:
         return any(not torch.isnan(buffer).all() for buffer in self.buffers)
 
 
-def _config(tmp_path: Path, cache_dir: Path, method: str, lighthouse: str, member_auth: bool):
+def _config(tmp_path: Path, cache_dir: Path, method: str, lighthouse: str):
     overrides = [
         "model=tiny", "data=stdlib", "trainer=cpu", "inner_steps=5", f"trainer.max_steps={MAX_STEPS}",
         f"trainer.val_check_interval={MAX_STEPS}", "trainer.enable_progress_bar=false", "data.batch_size=4",
@@ -117,7 +117,7 @@ def _config(tmp_path: Path, cache_dir: Path, method: str, lighthouse: str, membe
         "elastic.min_workers=2", "elastic.max_workers=3", "elastic.heartbeat_timeout_ms=1500",
         "elastic.join_timeout_ms=5000", "elastic.gossip_timeout=3", "elastic.quorum_timeout=30",
         "elastic.timeout_s=240", f"elastic.method={method}", f"elastic.lighthouse={lighthouse}",
-        f"elastic.member_auth={str(member_auth).lower()}", f"output_dir={tmp_path}", f"cache_dir={cache_dir}",
+        f"output_dir={tmp_path}", f"cache_dir={cache_dir}",  # member_auth is on by default
     ]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="elastic/app", overrides=overrides)
@@ -136,7 +136,8 @@ def _intrude_once_training(intruder: Intruder, output_dir: Path, stop: threading
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["gasloc", "diloco"])
 def test_an_intruder_without_the_secret_is_refused_before_any_exchange(tmp_path, cache_dir, lighthouse, method):
-    cfg = _config(tmp_path, cache_dir, method, lighthouse, member_auth=True)
+    cfg = _config(tmp_path, cache_dir, method, lighthouse)
+    assert cfg.elastic.member_auth is True
     intruder = Intruder(lighthouse, FlatLayout(instantiate(cfg.model), bind=False).numel)
     stop = threading.Event()
     thread = threading.Thread(target=_intrude_once_training, args=(intruder, tmp_path, stop), daemon=True)

@@ -102,7 +102,7 @@ class ElasticSchema:
     first_quorum_delay: float = 1.0
     cpu_threads: int = 1
     leave_grace_s: float = 60.0
-    member_auth: bool = False  # opt-in: docs/security.md, known defects
+    member_auth: bool = True  # docs/security.md
     message_auth: bool | None = None
     resume: bool = False
     end_grace_s: float = 30.0

@@ -11,7 +11,8 @@ all-reduces: consensus evaluation, the end-of-fit average). The first error of a
 :attr:`error` for the membership to report after the round's collectives.
 
 Authentication (``docs/security.md``): with a :class:`~gasloc_lightning.comm.member_auth.MemberAuthenticator`,
-the quorum's members are challenged before its first exchange (:meth:`ElasticTransport.admitted`); a refused
+the quorum's members attest and agree on one admitted set before its first exchange (:meth:`ElasticTransport.admitted`,
+over the quorum's rendezvous store: no gloo operation); a refused
 member is never sent or read anything (:attr:`refused_members` counts refusals), and an all-reduce then runs as
 a ring over the admitted members (:mod:`~gasloc_lightning.comm.ring`). With a
 :class:`~gasloc_lightning.comm.message_auth.MessageAuthenticator`, every message and ring chunk travels with a
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gasloc_lightning.comm.member_auth import MemberAuthenticator, MemberCheck, verify_members
+from gasloc_lightning.comm.member_auth import MemberAuthenticator, MemberCheck, attest, verify_members
 from gasloc_lightning.comm.membership import ElasticMembership
 from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, context, tag_bytes, tag_tensor
 from gasloc_lightning.comm.ring import UnauthenticMessageError, ring_all_reduce_sum
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # torchft's PGTransport uses tags 1, 2, 3+i on the same process group: ours stay clear of them.
 _GOSSIP_TAG = 1000
-_GOSSIP_TAG_TAG = 1003  # a gossip message's keyed tag (member_auth uses 1001-1002, the ring 1004-1005)
+_GOSSIP_TAG_TAG = 1003  # a gossip message's keyed tag (the ring uses 1004-1005)
 
 
 class ElasticCollectiveError(RuntimeError):
@@ -53,7 +54,10 @@ class ElasticTransport:
         numel: elements of one message.
         membership: the worker's membership (its process group is reconfigured at every quorum change).
         device: where buffers live (CPU: torchft's gloo group).
-        member_auth: challenges every quorum member before the quorum's first exchange (``None``: trusts them).
+        member_auth: authenticates the quorum's members before its first exchange (``None``: trusts them). Each
+            attests as soon as the quorum's group is configured (a rendezvous all members complete together, before
+            any heal: :meth:`ElasticMembership.on_quorum_group`), and waits for the others' attestations at most
+            ``gossip_timeout``, what any exchange allows a peer.
         message_auth: tags every message and checks every received one (``None``: no tags).
     """
 
@@ -71,12 +75,14 @@ class ElasticTransport:
         self._receive_buffers: list[Tensor] = []
         self._tag_buffers: list[Tensor] = []
         self.member_auth, self.message_auth = member_auth, message_auth
-        self.refused_members = 0  # members refused by their challenge (once per member and quorum)
+        self.refused_members = 0  # members left out of the agreed admitted set (once per member and quorum)
         self.unauthentic_messages = 0  # received messages or ring chunks whose tag failed (dropped)
         self._quorum_key: tuple | None = None  # the quorum the two below belong to
         self._check: MemberCheck | None = None
         self._collectives = 0  # all-reduces in this quorum: bound into the ring's tags (no replay across them)
         self._silent_reported: set[tuple[str, ...]] = set()  # member sets whose silent members were reported
+        if member_auth is not None and hasattr(membership, "on_quorum_group"):  # attest as each quorum's group forms
+            membership.on_quorum_group(self._attest)
 
     @property
     def rank(self) -> int:
@@ -88,7 +94,8 @@ class ElasticTransport:
 
     def admitted(self) -> tuple[int, ...]:
         """The quorum indices this worker exchanges with (its own included): every member, or with member
-        authentication those that answered this quorum's challenge (run at the quorum's first call)."""
+        authentication the set the quorum's members agreed on (run at the quorum's first call:
+        :func:`~gasloc_lightning.comm.member_auth.verify_members`): the same on every member in it."""
         quorum = self.membership.quorum
         key = (quorum.quorum_id, quorum.members)
         if key != self._quorum_key:
@@ -96,19 +103,26 @@ class ElasticTransport:
         if self.member_auth is None or not quorum.usable or quorum.size <= 1:
             return tuple(range(quorum.size))
         if self._check is None:
-            self._check = verify_members(self.membership.process_group, quorum_id=quorum.quorum_id,
-                                         members=quorum.members, index=quorum.index,
+            self._check = verify_members(getattr(self.membership.process_group, "quorum_store", None),
+                                         quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
                                          authenticator=self.member_auth, timeout=self.timeout)
             self.refused_members += len(self._check.refused)
-            if self._check.unanswered and quorum.members not in self._silent_reported:
-                # Maybe an honest member that was slow: reported (the next quorum challenges again), but once per
-                # member set: a member that stays silent (an intruder) would else cost a new quorum and a
-                # challenge deadline every round; the second time the same members meet, the silent ones stay
+            if self._check.left_out:  # an honest member is never left out for good: the next quorum agrees again
+                self.error = self.error or RuntimeError(
+                    f"{self.membership.name} is not in this quorum's agreed member set (it attested too late)")
+            elif self._check.unanswered and quorum.members not in self._silent_reported:
+                # Maybe an honest member that was slow: reported (the next quorum agrees again), but once per
+                # member set: a member that never attests (an intruder) would else cost a new quorum and a
+                # wait every round; the second time the same members meet, the silent ones stay
                 # refused for that quorum's life and the others exchange.
                 self._silent_reported.add(quorum.members)
+                missing = ",".join(quorum.names[i] for i in self._check.unanswered)
                 self.error = self.error or RuntimeError(
-                    "no answer to the member challenge from " + ",".join(quorum.names[i] for i in self._check.unanswered))
+                    f"not in this quorum's agreed member set (no attestation in time): {missing}")
         return self._check.admitted
+
+    def _attest(self, store: Any, quorum_id: int, members: tuple[str, ...], index: int) -> None:
+        attest(store, quorum_id=quorum_id, members=members, index=index, authenticator=self.member_auth)
 
     def take_error(self) -> Exception | None:
         """The first failure since the last call (for the membership's commit), then forget it."""
@@ -140,8 +154,9 @@ class ElasticTransport:
             if not quorum.usable:
                 pending.works.append((peer, [_FailedWork(RuntimeError(f"unusable quorum: {quorum.error}"))]))
                 continue
-            if peer not in admitted:  # refused by its challenge: nothing is sent to it or read from it
-                pending.works.append((peer, [_FailedWork(RuntimeError("refused member (failed its challenge)"))]))
+            if peer not in admitted:  # refused (not in the agreed set): nothing is sent to it or read from it
+                refused = RuntimeError("refused member (not in the agreed admitted set)")
+                pending.works.append((peer, [_FailedWork(refused)]))
                 continue
             try:  # every receive and send is posted before any wait (a triangle cannot deadlock); the receive
                 # first, so both directions flow at once (see transport._RECV_FIRST)
@@ -263,7 +278,7 @@ class ElasticTransport:
         self._collectives += 1
         if len(ring) < least:
             raise RuntimeError(f"only {len(ring)} of the quorum's {quorum.size} members admitted (at least {least} "
-                               "needed): the others were refused or did not answer their challenge")
+                               "needed): the others were refused or did not attest in time")
         if len(ring) <= 1:
             return ring
         if self.message_auth is None and len(ring) == quorum.size:

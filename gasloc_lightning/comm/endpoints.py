@@ -31,11 +31,12 @@ Nothing here imports Lightning; torchft (the ``elastic`` extra) is needed only b
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import re
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +52,8 @@ try:
 except ImportError:
     # The base install has no torchft: BoundProcessGroupGloo then refuses to be built (see its __init__).
     _TorchftGloo = object  # type: ignore[misc,assignment]
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["BoundProcessGroupGloo", "Endpoint", "bound_manager_server", "lighthouse_bind", "listening_store"]
 
@@ -245,6 +248,17 @@ class BoundProcessGroupGloo(_TorchftGloo):
         super().__init__(timeout=timeout)
         self._endpoint = endpoint
         self._closed = False
+        self._quorum_store: Store | None = None
+        # Called with the quorum's store once each configure has built the group (before torchft's heal): see
+        # ElasticMembership.on_quorum_group. An exception there is logged, never raised into torchft's quorum.
+        self.on_configured: Callable[[Store], None] | None = None
+
+    @property
+    def quorum_store(self) -> Store | None:
+        """The current quorum's rendezvous store (torchft's ``PrefixStore`` for this quorum id, members and round;
+        ``None`` before the first configure or after :meth:`close`): member authentication agrees over it
+        (:mod:`~gasloc_lightning.comm.member_auth`)."""
+        return self._quorum_store
 
     @property
     def endpoint(self) -> Endpoint:
@@ -258,8 +272,14 @@ class BoundProcessGroupGloo(_TorchftGloo):
         if self._closed:  # closed while the rendezvous ran: drop what it built
             self.abort(errored=False)
             raise RuntimeError(f"this gloo group was closed while it was configured (replica {replica_id})")
+        if self.on_configured is not None and self._quorum_store is not None:
+            try:
+                self.on_configured(self._quorum_store)
+            except Exception as error:  # noqa: BLE001 - the hook's failure must not fail torchft's quorum
+                _log.warning("on_configured hook failed replica=%s: %s", replica_id, error)
 
     def _create_pg(self, store: Store, rank: int, world_size: int) -> _C10dGroup:
+        self._quorum_store = store
         backend = self._gloo_backend(store, rank, world_size)
         group = _C10dGroup(store, rank, world_size)
         group._set_default_backend(_C10dGroup.BackendType.GLOO)
@@ -292,6 +312,7 @@ class BoundProcessGroupGloo(_TorchftGloo):
         """Abort pending collectives and drop the group (gloo closes its sockets with the last reference); the
         group cannot be configured again."""
         self._closed = True
+        self._quorum_store = None
         self.abort(errored=False)
 
 

@@ -1,29 +1,33 @@
-"""Member authentication: a worker proves to every quorum member that it knows the run's secret before the
-first exchange with it, and exchanges only with the members that proved it to it.
+"""Member authentication: before a quorum's first exchange, its members prove that they know the run's secret and
+agree on one admitted set; a worker exchanges only with the members of that set.
 
-torchft 0.2.0's lighthouse, stores and gloo group admit anyone who reaches their ports, so a quorum may hold
-a member without the secret. Before a quorum's first exchange, every pair of members runs one mutual
-challenge over the quorum's own gloo group (so what is proven is the peer at that rank, on the connection
-later exchanges use):
+torchft 0.2.0's lighthouse, stores and gloo group admit anyone who reaches their ports, so a quorum may hold a
+member without the secret. Two phases run over the quorum's rendezvous store (the ``TCPStore`` prefix that
+torchft's process group was just configured with: every member reached it moments before, and it is plain TCP,
+so no gloo operation is ever left pending):
 
-1. each sends the other a fresh 32-byte nonce;
-2. each answers ``HMAC(key, quorum_id, prover id, verifier id, verifier's nonce, prover's nonce)`` (ids are
-   torchft's replica ids ``name:uuid`` in the quorum's sorted member list);
-3. each checks the answer it received in constant time.
+1. **Attest.** Each member writes ``HMAC(key, "attest", quorum id, the quorum's sorted replica ids, its index)``
+   under a key whose name is itself a MAC of (quorum id, replica ids, index): a host without the secret can
+   neither name, read in advance, nor write another member's attestation, and its own cannot exist. A worker
+   attests (:func:`attest`) as soon as the quorum's gloo group is configured, a rendezvous every member completes
+   together before any heal, so a joiner healing over a slow link has attested long before its first exchange.
+2. **Agree.** Each member waits for every member's attestation, or until its deadline. The first member to get
+   there writes a signed decision, ``HMAC(key, "decision", quorum id, replica ids, admitted) || admitted``, with
+   the store's atomic ``compare_set``: one decision is ever written for a quorum, and every member (the slow ones
+   included, however late they arrive) reads that same decision. So all honest members hold the *same* admitted
+   set: an honest member that was too slow to attest is left out by every member alike (it then exchanges with
+   nobody, reports, and the next quorum agrees again), never by some of them only.
 
-The answer names prover and verifier, so it proves nothing anywhere else: not reflected back to its sender,
-not relayed to a third member, not replayed in another quorum (a fresh nonce, the quorum id). A member that
-answers wrongly, not at all within the deadline, or not in the expected shape is *refused* for the whole
-quorum: nothing of this worker's model is ever sent to it, and nothing it sends is read. A member that did not
-answer may be an honest one that was slow (a stall, a long heal): the transport reports that as a failed
-exchange, once per member set, so the next quorum (a new id) challenges again; a wrong answer is not reported (the
-quorum stays). No wait of the challenge ever times out on the group: on gloo that would close every connection of
-the group, and one silent member would make the honest ones refuse each other (see :func:`_exchange`). What happens then
-(:mod:`~gasloc_lightning.comm.elastic_transport`): a gossip round draws its pairs over the admitted members
-only; an all-reduce runs as a ring over the admitted members (point to point on the same group: gloo's own
-all-reduce would hand the refused member partial sums). Every honest member refuses the intruder, so the
-admitted lists agree; if they disagree (a member died mid-challenge) the round's exchange fails, is
-reported, and the next quorum challenges again.
+Why no nonce, as a challenge-response would have: an attestation names its quorum and the whole member list
+(torchft's replica ids carry a fresh uuid per process) and its author's index, and an honest member only ever
+attests itself. A recorded attestation therefore proves, anywhere it could be replayed, only the presence of the
+process that wrote it, in the quorum it was written for. What is proven is the replica id, not the gloo connection
+at that rank; a host that registers with an honest member's replica id could race it for that rank in the
+(unauthenticated) rendezvous: ``docs/security.md`` lists that as not protected.
+
+The store's host (the quorum's first member) sees the key names and values and could withhold or swap them: it
+cannot forge an attestation or a decision, so at worst the members admit fewer peers or fail the quorum's first
+exchange, which is reported (the host of the rendezvous can break the quorum anyway).
 
 Nothing here imports Lightning.
 """
@@ -33,30 +37,25 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import secrets
-import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
-
-import torch
 
 from gasloc_lightning.comm.message_auth import context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemberAuthenticator", "MemberCheck", "verify_members"]
+__all__ = ["MemberAuthenticator", "MemberCheck", "attest", "verify_members"]
 
-NONCE_BYTES = 32
-RESPONSE_BYTES = 32
-# Point-to-point tags on the quorum's group: torchft's PGTransport uses 1, 2, 3+i, the gossip message 1000.
-NONCE_TAG, RESPONSE_TAG = 1001, 1002
-_LABEL = b"gasloc member-auth v1"
+ATTESTATION_BYTES = 32
+_LABEL = b"gasloc member-auth v2"
+_KEY_PREFIX = "gasloc-member/"
+_POLL_FIRST, _POLL_MAX = 0.01, 0.2  # seconds between looks at the store while members are missing (doubling)
+_MAX_DECISION_BYTES = 32 + 8 * 4096  # a MAC and up to 4096 indices: anything longer is refused unparsed
 
 
 class MemberAuthenticator:
-    """The challenge's arithmetic: nonces, answers and their check (no I/O).
+    """The arithmetic of member authentication: attestations, the store's key names and the signed decision (no I/O).
 
     Args:
         secret: the run's secret (``GASLOC_ELASTIC_SECRET``); a key for this use is derived from it.
@@ -67,110 +66,113 @@ class MemberAuthenticator:
             raise ValueError("secret must be non-empty bytes (the run's secret; see docs/security.md)")
         self._key = hmac.new(secret, _LABEL, hashlib.sha256).digest()
 
-    @staticmethod
-    def nonce() -> bytes:
-        return secrets.token_bytes(NONCE_BYTES)
+    def _mac(self, *parts: object) -> bytes:
+        return hmac.digest(self._key, context(*parts), "sha256")
 
-    def answer(self, *, quorum_id: int, prover: str, verifier: str, verifier_nonce: bytes,
-               prover_nonce: bytes) -> bytes:
-        """What ``prover`` sends ``verifier`` to prove it knows the secret in quorum ``quorum_id``."""
-        return hmac.digest(self._key, context(quorum_id, prover, verifier, verifier_nonce, prover_nonce), "sha256")
+    def attestation(self, *, quorum_id: int, members: tuple[str, ...], index: int) -> bytes:
+        """What member ``index`` writes to prove it knows the secret in this quorum."""
+        return self._mac("attest", quorum_id, *members, index)
 
-    def check(self, answer: bytes, *, quorum_id: int, prover: str, verifier: str, verifier_nonce: bytes,
-              prover_nonce: bytes) -> bool:
-        expected = self.answer(quorum_id=quorum_id, prover=prover, verifier=verifier,
-                               verifier_nonce=verifier_nonce, prover_nonce=prover_nonce)
-        return hmac.compare_digest(expected, answer)
+    def key_name(self, *, quorum_id: int, members: tuple[str, ...], index: int | None = None) -> str:
+        """The store key of member ``index``'s attestation (``None``: of the quorum's decision); only a holder of
+        the secret can name it."""
+        what = "decision" if index is None else index
+        return _KEY_PREFIX + self._mac("key", quorum_id, *members, what)[:16].hex()
+
+    def seal_decision(self, *, quorum_id: int, members: tuple[str, ...], admitted: tuple[int, ...]) -> bytes:
+        """The signed decision that ``admitted`` (sorted quorum indices) is this quorum's admitted set."""
+        body = ",".join(str(index) for index in admitted).encode("ascii")
+        return self._mac("decision", quorum_id, *members, body) + body
+
+    def open_decision(self, value: bytes, *, quorum_id: int, members: tuple[str, ...]) -> tuple[int, ...] | None:
+        """The admitted set of a decision read from the store, or ``None`` if it is not one this run signed."""
+        if not isinstance(value, bytes) or not ATTESTATION_BYTES < len(value) <= _MAX_DECISION_BYTES:
+            return None
+        mac, body = value[:ATTESTATION_BYTES], value[ATTESTATION_BYTES:]
+        if not hmac.compare_digest(mac, self._mac("decision", quorum_id, *members, body)):
+            return None
+        admitted = tuple(int(part) for part in body.decode("ascii").split(","))  # signed: written by a member
+        return admitted if list(admitted) == sorted(set(admitted)) and admitted[-1] < len(members) else None
 
 
 @dataclass(frozen=True)
 class MemberCheck:
-    """The outcome of one quorum's challenges, as quorum indices (this worker's own is admitted). ``unanswered``:
-    the refused members that sent no well-formed answer in time (dead, stalled, or slow: maybe honest)."""
+    """The outcome of one quorum's member authentication, as quorum indices. ``admitted``: whom this worker exchanges
+    with, its own index included (only its own when the agreed set leaves it out); ``refused``: the others;
+    ``unanswered``: the refused members that did not attest in time (dead, stalled, slow, or without the secret)."""
 
     quorum_id: int
     admitted: tuple[int, ...]
     refused: tuple[int, ...]
     unanswered: tuple[int, ...] = ()
+    left_out: bool = False  # this worker is not in the agreed set (or there is none): it exchanges with nobody
 
 
-def verify_members(pg: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
+def attest(store: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
+           authenticator: MemberAuthenticator) -> None:
+    """Write this worker's attestation for the quorum in its rendezvous ``store`` (idempotent). Done as soon as the
+    quorum's group is configured, before any heal, so that a joiner healing over a slow link is not late for it."""
+    store.set(authenticator.key_name(quorum_id=quorum_id, members=members, index=index),
+              authenticator.attestation(quorum_id=quorum_id, members=members, index=index))
+
+
+def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
                    authenticator: MemberAuthenticator, timeout: float) -> MemberCheck:
-    """Challenge every other member of the quorum over ``pg`` (ranks = indices in ``members``); returns who is
-    admitted and who is refused. Each of the two steps waits at most ``timeout`` seconds, the second from when
-    the first ended: a silent member spends the first step's deadline on every member alike, and the members
-    that did answer still have a whole deadline to exchange their answers, on connections that the silent
-    member's deadline left open (no gloo wait times out: :func:`_exchange`)."""
-    me, deadline = members[index], time.monotonic() + timeout
-    peers = [peer for peer in range(len(members)) if peer != index]
-    mine = {peer: authenticator.nonce() for peer in peers}
-    theirs = {peer: torch.zeros(NONCE_BYTES, dtype=torch.uint8) for peer in peers}
-    ok = _exchange(pg, peers, {peer: _as_tensor(mine[peer]) for peer in peers}, theirs, NONCE_TAG, deadline)
-    answers = {peer: torch.zeros(RESPONSE_BYTES, dtype=torch.uint8) for peer in ok}
-    proofs = {peer: _as_tensor(authenticator.answer(
-        quorum_id=quorum_id, prover=me, verifier=members[peer], verifier_nonce=bytes(theirs[peer].numpy()),
-        prover_nonce=mine[peer])) for peer in ok}
-    answered = _exchange(pg, ok, proofs, answers, RESPONSE_TAG, time.monotonic() + timeout)
-    admitted = [peer for peer in answered if authenticator.check(
-        bytes(answers[peer].numpy()), quorum_id=quorum_id, prover=members[peer], verifier=me,
-        verifier_nonce=mine[peer], prover_nonce=bytes(theirs[peer].numpy()))]
-    refused = tuple(peer for peer in peers if peer not in admitted)
+    """Attest this worker in the quorum's ``store`` and return the quorum's agreed admitted set.
+
+    Args:
+        store: the quorum's rendezvous store (``set``, ``get``, ``check``, ``compare_set`` of ``torch.distributed``).
+        quorum_id: the quorum's id; members: its sorted replica ids; index: this worker's position in them.
+        authenticator: holds the run's secret.
+        timeout: seconds this worker waits for the others' attestations before it decides with those it has
+            (a decision already written by another member is taken at once).
+
+    A failing store (its host died) admits this worker alone: it exchanges with nobody in this quorum.
+    """
+    n, me = len(members), members[index]
+    keys = [authenticator.key_name(quorum_id=quorum_id, members=members, index=peer) for peer in range(n)]
+    decision_key = authenticator.key_name(quorum_id=quorum_id, members=members)
+    try:
+        if store is None:
+            raise RuntimeError("the quorum's process group has no rendezvous store (not configured)")
+        attest(store, quorum_id=quorum_id, members=members, index=index, authenticator=authenticator)
+        value = _agree(store, keys, decision_key, time.monotonic() + timeout,
+                       lambda: _decide(store, keys, authenticator, quorum_id, members, index))
+    except Exception as error:  # noqa: BLE001 - a store that closed or timed out (DistStoreError, OSError, ...)
+        log.warning("member authentication failed quorum_id=%d worker=%s error=%s", quorum_id, me.split(":")[0],
+                    str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
+        value = b""
+    agreed = authenticator.open_decision(value, quorum_id=quorum_id, members=members)
+    admitted = agreed if agreed is not None and index in agreed else (index,)
+    refused = tuple(peer for peer in range(n) if peer not in admitted)
+    reason = ("no valid decision" if agreed is None else "not in the agreed set" if index in agreed
+              else "this worker is not in the agreed set")
     for peer in refused:
         log.warning("member refused quorum_id=%d member=%s worker=%s reason=%s", quorum_id,
-                    members[peer].split(":")[0], me.split(":")[0],
-                    "wrong answer" if peer in answered else "no answer in time")
-    return MemberCheck(quorum_id=quorum_id, admitted=tuple(sorted([index, *admitted])), refused=refused,
-                       unanswered=tuple(peer for peer in refused if peer not in answered))
+                    members[peer].split(":")[0], me.split(":")[0], reason)
+    return MemberCheck(quorum_id=quorum_id, admitted=admitted, refused=refused, unanswered=refused,
+                       left_out=agreed is None or index not in agreed)
 
 
-def _exchange(pg: Any, peers: list[int], outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor],
-              tag: int, deadline: float) -> list[int]:
-    """Send ``outgoing[p]`` to and receive ``incoming[p]`` from every peer at once; the peers that completed by
-    ``deadline``.
-
-    Why threads and not ``work.wait(timeout)``: on gloo a wait that times out closes *every* connection of the
-    group ("Application timeout caused pair closure"), so one silent member would cut the honest members off from
-    each other; and a gloo send/recv reports ``is_completed()`` only once waited on, so it cannot be polled. Each
-    peer's pair is waited on by a daemon thread with a long timeout (:data:`LEFTOVER_WAIT`); this call returns at
-    the deadline and leaves a silent peer's pair pending in its thread. Harmless: that peer is refused, so nothing
-    else of this group is ever sent to it or read from it (a late message of its lands in the abandoned buffer),
-    the honest members use other tags on this group, and torchft builds a new group (a new gloo context, new
-    connections) at the next quorum. The thread, and the old group it holds, go when the message arrives, the
-    connection closes, or :data:`LEFTOVER_WAIT` passes (that timeout then closes the old group's connections:
-    if its quorum is still in use by then, its exchanges fail, are reported, and the next quorum challenges
-    again)."""
-    done: list[int] = []
-    threads = []
-    for peer in peers:
-        try:  # every receive and send posted before any wait, receive first (see elastic_transport.post)
-            pair = [pg.recv([incoming[peer]], peer, tag), pg.send([outgoing[peer]], peer, tag)]
-        except Exception as error:  # noqa: BLE001 - an unconfigured group raises AssertionError
-            log.debug("challenge not posted peer=%d: %s", peer, error)
-            continue
-        thread = threading.Thread(target=_wait_pair, args=(pair, peer, done), daemon=True,
-                                  name=f"member-auth-wait-{peer}")
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    with _DONE_LOCK:
-        return [peer for peer in peers if peer in done]
+def _agree(store: Any, keys: list[str], decision_key: str, deadline: float, decide: Any) -> bytes:
+    """The quorum's decision: the one already written, or this worker's once every member attested or the deadline
+    passed (``compare_set`` writes it only if no other member's came first, and returns whichever is stored)."""
+    pause = _POLL_FIRST
+    while True:
+        if store.check([decision_key]):
+            return store.get(decision_key)
+        if store.check(keys) or time.monotonic() >= deadline:
+            return store.compare_set(decision_key, "", decide())
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        pause = min(2 * pause, _POLL_MAX)
 
 
-LEFTOVER_WAIT = timedelta(hours=6)  # how long an abandoned challenge op stays posted (see _exchange)
-_DONE_LOCK = threading.Lock()
+def _decide(store: Any, keys: list[str], authenticator: MemberAuthenticator, quorum_id: int,
+            members: tuple[str, ...], index: int) -> bytes:
+    """This worker's proposal: itself and every member whose attestation is in the store and checks."""
+    def attested(peer: int) -> bool:
+        expected = authenticator.attestation(quorum_id=quorum_id, members=members, index=peer)
+        return store.check([keys[peer]]) and hmac.compare_digest(bytes(store.get(keys[peer])), expected)
 
-
-def _wait_pair(pair: list[Any], peer: int, done: list[int]) -> None:
-    try:
-        for work in pair:
-            work.wait(LEFTOVER_WAIT)
-    except Exception as error:  # noqa: BLE001 - a closed connection, a size mismatch, the leftover timeout
-        log.debug("challenge failed peer=%d: %s", peer, error)
-        return
-    with _DONE_LOCK:
-        done.append(peer)
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    proven = [peer for peer in range(len(members)) if peer == index or attested(peer)]
+    return authenticator.seal_decision(quorum_id=quorum_id, members=members, admitted=tuple(proven))

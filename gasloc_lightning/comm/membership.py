@@ -64,6 +64,7 @@ _QUORUM_DRAIN_S = 5.0  # how long shutdown waits for a quorum in flight on torch
 
 StateDictFn = Callable[[], dict[str, Any]]
 LoadStateDictFn = Callable[[dict[str, Any]], None]
+QuorumGroupListener = Callable[[Any, int, tuple[str, ...], int], None]  # (store, quorum_id, members, index)
 
 
 class MembershipError(RuntimeError):
@@ -270,6 +271,7 @@ class ElasticMembership:
         self._healed = False
         self._waiting = False
         self._may_have_ended = True  # nothing seen of the run yet, or the last round failed: the run may be over
+        self._group_listeners: list[QuorumGroupListener] = []
         self.membership_changes = 0
 
     # ------------------------------------------------------------------ life cycle
@@ -303,6 +305,7 @@ class ElasticMembership:
         # The quorum's first member's store is the rendezvous of the reconfigured process group.
         self._store = listening_store(endpoint, timeout=self.transfer_timeout)
         self._pg = BoundProcessGroupGloo(endpoint=endpoint, timeout=timedelta(seconds=self.gossip_timeout))
+        self._pg.on_configured = self._group_configured
         self._transport = AuthenticatedStateTransport(
             bind=endpoint.bind, advertise=endpoint.advertised, secret=self._secret, timeout=self.transfer_timeout,
             max_bytes=self.max_state_bytes)
@@ -353,6 +356,21 @@ class ElasticMembership:
             _release_process_group(self._pg)
             self._pg = None
         self._store = None  # the last reference: the store's server closes its socket
+
+    def on_quorum_group(self, listener: QuorumGroupListener) -> None:
+        """Call ``listener(store, quorum_id, members, index)`` each time the process group is configured for a new
+        quorum: in torchft's quorum, right after the gloo rendezvous that every member completes together and before
+        any heal (a joiner's heal over a slow link can take ``transfer_timeout``). ``store`` is the quorum's
+        rendezvous store. Member authentication attests there (:mod:`~gasloc_lightning.comm.member_auth`)."""
+        self._group_listeners.append(listener)
+
+    def _group_configured(self, store: Any) -> None:
+        result = None if self._recorder is None else self._recorder.last
+        if result is None:
+            return
+        quorum_id, members, index = int(result.quorum_id), tuple(result.replica_ids), int(result.replica_rank)
+        for listener in self._group_listeners:
+            listener(store, quorum_id, members, index)
 
     def leave(self) -> None:
         """Leave the run cleanly after a committed round: stop heartbeating, so the next quorum forms without this

@@ -6,7 +6,7 @@ are hashed on a few threads; ``hashlib`` releases the GIL), and the tag is a key
 byte count and the ordered leaf hashes. The context binds the tag to one use (quorum id, round or collective,
 sender and receiver member ids, ring step), so a recorded message cannot be replayed elsewhere, and the leaf
 hashes are computed once per message however many peers receive it. The key is derived from the run's secret
-for this use only (it never signs a heal or a member's challenge).
+for this use only (it never signs a heal or a member's attestation).
 
 Two keyed hashes from the standard library: ``sha256`` (HMAC-SHA256, hardware-accelerated on CPUs with SHA
 extensions: about twice BLAKE2b's speed on the machine of ``benchmarks/message_auth.py``) and ``blake2b``

@@ -143,10 +143,9 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         lighthouse_timeout: seconds one request to the lighthouse may wait before it is asked again.
         lighthouse_wait: seconds a worker waits for a lighthouse that died to come back on the same address (then a
             clear error); see :class:`~gasloc_lightning.comm.membership.ElasticMembership`.
-        member_auth: challenge every quorum member with the run's secret before the quorum's first exchange, and
-            exchange with none that fails (``docs/security.md``: what it protects and costs). Off by default: on a
-            slow link an honest member can miss the challenge's deadline and members can disagree on who is
-            admitted, and a challenge wait left pending can abort the process (``docs/security.md``, known defects).
+        member_auth: before a quorum's first exchange, its members prove they know the run's secret and agree on
+            one admitted set (``comm/member_auth.py``); none outside it is sent or read anything
+            (``docs/security.md``: what it protects and costs).
         message_auth: tag every gossip message and all-reduce chunk with a keyed hash; one whose tag fails is
             dropped like a failed exchange (``comm/unauthentic_messages``). ``None``: on for messages up to
             ``AUTO_MESSAGE_AUTH_ELEMENTS`` (64 MB of float32), where it costs little; off above, where hashing costs
@@ -177,7 +176,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         leave_grace_s: float = 60.0,
         lighthouse_timeout: float = 30.0,
         lighthouse_wait: float = 60.0,
-        member_auth: bool = False,
+        member_auth: bool = True,
         message_auth: bool | None = None,
         **kwargs: Any,
     ) -> None:
@@ -280,7 +279,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
 
     @property
     def refused_members(self) -> int:
-        """Quorum members refused by their challenge (once per member and quorum): they had not the secret."""
+        """Quorum members left out of the agreed admitted set (once per member and quorum): no secret, or too slow."""
         return self._transport.refused_members if isinstance(self._transport, ElasticTransport) else 0
 
     @property
