@@ -57,7 +57,8 @@ def _lab_process(command: list[str], **popen: object) -> Iterator[subprocess.Pop
 
 
 _NO_LAB = why_no_lab()  # makes nothing that outlives the check (a thread's own namespace)
-pytestmark = [pytest.mark.netlab, pytest.mark.slow, pytest.mark.distributed,
+# xdist: one lab at a time (test_netlab.py checks that a probe leaves the machine's namespaces as they were).
+pytestmark = [pytest.mark.netlab, pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group("netlab"),
               pytest.mark.skipif(_NO_LAB is not None, reason=_NO_LAB or "")]
 
 TWO_SITES = LabPlan(addresses=("10.213.0.1", "10.213.0.2"), worker_sites=(0, 1), rates_mbit=((0.0, 8.0), (8.0, 0.0)))
