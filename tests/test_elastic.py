@@ -198,9 +198,11 @@ def test_momentum_is_checked_for_every_allowed_quorum_size():
 
 
 def test_chaos_schedule_is_parsed_and_checked():
-    events = parse_chaos(["restart:2@50", "kill:2@40", "stall:1@30:2.5"], workers=3)
-    assert [str(event) for event in events] == ["stall:1@30:2.5", "kill:2@40", "restart:2@50"]
-    for bad in ("kill:3@4", "kill:1", "stall:1@4", "kill:1@4:2", "explode:1@2"):
+    events = parse_chaos(["restart:2@50", "kill:2@40", "stall:1@30:2.5", "stall:0@60-80"], workers=3)
+    assert [str(event) for event in events] == ["stall:1@30:2.5", "kill:2@40", "restart:2@50", "stall:0@60-80"]
+    assert events[-1].until_step == 80 and events[0].until_step is None
+    for bad in ("kill:3@4", "kill:1", "stall:1@4", "kill:1@4:2", "explode:1@2", "kill:1@4-9", "stall:1@9-9",
+                "stall:1@4-9:2"):
         with pytest.raises(ValueError, match="elastic.chaos"):
             parse_chaos([bad], workers=3)
 
