@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 pytest.importorskip("torchft")
 
 from app_utils import CONF  # noqa: E402
+from log_utils import log_records  # noqa: E402
 from dist_utils import TinyRegressor  # noqa: E402
 from gasloc_lightning.app.elastic import (  # noqa: E402
     check_elastic,
@@ -26,6 +27,7 @@ from gasloc_lightning.app.elastic import (  # noqa: E402
     random_chaos,
 )
 from gasloc_lightning.app.elastic_worker import load_worker_config  # noqa: E402
+from gasloc_lightning.comm.lighthouse_watch import DOWN_MARK  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
@@ -294,14 +296,15 @@ def test_workers_go_on_through_a_lighthouse_that_restarts():
     try:
         for member in members:
             member.connect()
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(2) as pool, log_records("gasloc_lightning.comm") as records:
             first = [f.result(timeout=30) for f in [pool.submit(m.join) for m in members]]
             for member in members:
                 member.commit(1)
             process.kill()
             process.wait()
             futures = [pool.submit(m.start_quorum) for m in members]
-            time.sleep(2.0)  # both ask while it is down
+            for member in members:  # both ask while it is down, and have found it down
+                records.wait(f"{DOWN_MARK} worker={member.name}", timeout=30)
             process = start()
             second = [f.result(timeout=40) for f in futures]
         assert [q.size for q in first] == [2, 2] and [q.size for q in second] == [2, 2]
