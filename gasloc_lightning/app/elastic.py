@@ -35,7 +35,6 @@ import os
 import random
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -54,6 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
+from gasloc_lightning.app.torchft_lighthouse import lighthouse_program
 from gasloc_lightning.app.live_status import LiveStatus
 from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard, tensorboard_nodes
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
@@ -236,13 +236,9 @@ def free_port(bind: str = LOOPBACK) -> int:
 # ------------------------------------------------------------------ processes
 def lighthouse_command(port: int, min_workers: int, join_timeout_ms: int, heartbeat_timeout_ms: int, *,
                        bind: str = LOOPBACK) -> list[str]:
-    """The ``torchft_lighthouse`` command line (the CLI next to this Python, else on PATH), listening on
-    ``bind:port`` only."""
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    binary = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
-    if binary is None:
-        raise RuntimeError("torchft_lighthouse not found: install the elastic extra (pip install 'gasloc-lightning[elastic]')")
-    return [binary, "--bind", host_port(bind, port), "--min_replicas", str(min_workers), "--join_timeout_ms",
+    """The lighthouse's command line (torchft's, started without importing torch: see ``app.torchft_lighthouse``),
+    listening on ``bind:port`` only."""
+    return [*lighthouse_program(), "--bind", host_port(bind, port), "--min_replicas", str(min_workers), "--join_timeout_ms",
             str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--quorum_tick_ms", "50"]
 
 
