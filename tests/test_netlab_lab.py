@@ -246,8 +246,9 @@ def test_sigterm_mid_run_leaves_no_namespace_and_no_process(tmp_path, cache_dir)
                f"output_dir={output}", f"cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     with _lab_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                       start_new_session=True) as process:
-        assert _wait(lambda: all((output / f"worker_{w}" / "progress.json").exists() for w in range(4)), 150)
-        time.sleep(2.0)
+        # mid-run: every worker has trained a round (an event, not 2 s after their start)
+        assert _wait(lambda: all((read_progress(output / f"worker_{w}") or {}).get("step", 0) >= 5 for w in range(4)),
+                     150)
         prefix = next(name for name in lab_namespaces() if name.startswith(f"glab-{process.pid}-")).rsplit("-", 1)[0]
         process.send_signal(signal.SIGTERM)
         out, _ = process.communicate(timeout=150)

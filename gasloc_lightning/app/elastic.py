@@ -53,12 +53,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
-from gasloc_lightning.app.torchft_lighthouse import lighthouse_program
 from gasloc_lightning.app.live_status import LiveStatus
 from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard, tensorboard_nodes
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
+from gasloc_lightning.app.torchft_lighthouse import lighthouse_program
 from gasloc_lightning.comm.endpoints import Endpoint, host_port
 from gasloc_lightning.comm.lighthouse_watch import DOWN_MARK
 from gasloc_lightning.comm.membership import lighthouse_reachable
@@ -238,8 +238,9 @@ def lighthouse_command(port: int, min_workers: int, join_timeout_ms: int, heartb
                        bind: str = LOOPBACK) -> list[str]:
     """The lighthouse's command line (torchft's, started without importing torch: see ``app.torchft_lighthouse``),
     listening on ``bind:port`` only."""
-    return [*lighthouse_program(), "--bind", host_port(bind, port), "--min_replicas", str(min_workers), "--join_timeout_ms",
-            str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--quorum_tick_ms", "50"]
+    return [*lighthouse_program(), "--bind", host_port(bind, port), "--min_replicas", str(min_workers),
+            "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+            "--quorum_tick_ms", "50"]
 
 
 def _start_process(command: list[str], log_path: Path, env: dict[str, str], **popen: Any) -> subprocess.Popen:
