@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -83,6 +84,15 @@ def lighthouse_process():
 def lighthouse_of_two():
     """A lighthouse that forms no quorum below 2 workers: a lone worker's quorum request really times out."""
     yield from _lighthouse(2)
+
+
+@pytest.mark.timeout(30)
+def test_the_lighthouse_listens_without_loading_torch(lighthouse_process):
+    """Its start-up is the Rust server's alone: torchft's package (which imports torch, seconds of CPU) is not run."""
+    process, _ = lighthouse_process
+    maps = Path(f"/proc/{process.pid}/maps").read_text()
+    assert "torchft/_torchft" in maps, "the lighthouse did not load torchft's extension"
+    assert "libtorch" not in maps and "libc10" not in maps, "the lighthouse process loaded torch"
 
 
 @pytest.mark.timeout(30)
