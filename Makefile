@@ -4,6 +4,11 @@ PYTHON ?= python3
 # A CPU build of torch that lies on this machine's disk; GPU users install their own torch first.
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
+# pytest-xdist workers: 2 on the 2-core CI box (3 measured slower there). Tests that must not run beside each other
+# share an xdist_group (netlab, the session's sweep, the wheel build, the compiled kernels): --dist loadgroup keeps
+# each group on one worker.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast demo bench clean
@@ -18,10 +23,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest $(XDIST) --durations=15
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" --durations=10
+	$(PY) -m pytest $(XDIST) -m "not slow" --durations=10
 
 demo: install
 	$(VENV)/bin/gasloc-demo

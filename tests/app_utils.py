@@ -64,15 +64,26 @@ def run_app(args: list[str], cwd: Path, timeout: float = 400, executable: list[s
 
 
 def finished_sweep(tmp_path_factory) -> Path:
-    """A real 2-job x 2-worker sweep (diloco, ddp), run once per session; returns its folder."""
+    """A real 2-job x 2-worker sweep (diloco, ddp), run once per session; returns its folder.
+
+    A sweep that failed is not run again for the next test that asks: each gets the first failure at once (a
+    timed-out sweep used to cost its 400 s once per test)."""
+    if "sweep_failure" in _cache:
+        raise AssertionError(_cache["sweep_failure"])
     if "sweep" not in _cache:
         root = tmp_path_factory.mktemp("sweep_cwd")
         sweep_dir = root / "sweep"
         cache_dir = shared_cache_dir(tmp_path_factory)
         args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, f"cache_dir={cache_dir}",
                 f"hydra.sweep.dir={sweep_dir}"]
-        result = run_app(args, cwd=root)
-        assert result.returncode == 0, f"sweep failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        try:
+            result = run_app(args, cwd=root)
+        except subprocess.TimeoutExpired as error:
+            _cache["sweep_failure"] = f"sweep timed out: {error}"
+            raise
+        if result.returncode != 0:
+            _cache["sweep_failure"] = f"sweep failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+            raise AssertionError(_cache["sweep_failure"])
         _cache["sweep"] = sweep_dir
         _cache["sweep_output"] = root
     return _cache["sweep"]

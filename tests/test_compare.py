@@ -16,7 +16,8 @@ from gasloc_lightning.models import GPT, GPTConfig
 from gasloc_lightning.app.summary import load_summary
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
+# xdist: one worker runs every test that reads the session's sweep, so the sweep runs once.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("sweep")]
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf
 pytest.importorskip("torchft")
 
 from app_utils import CONF  # noqa: E402
+from log_utils import log_records  # noqa: E402
 from dist_utils import TinyRegressor  # noqa: E402
 from gasloc_lightning.app.elastic import (  # noqa: E402
     check_elastic,
@@ -26,6 +28,7 @@ from gasloc_lightning.app.elastic import (  # noqa: E402
     random_chaos,
 )
 from gasloc_lightning.app.elastic_worker import load_worker_config  # noqa: E402
+from gasloc_lightning.comm.lighthouse_watch import DOWN_MARK  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, MembershipError, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
@@ -81,6 +84,15 @@ def lighthouse_process():
 def lighthouse_of_two():
     """A lighthouse that forms no quorum below 2 workers: a lone worker's quorum request really times out."""
     yield from _lighthouse(2)
+
+
+@pytest.mark.timeout(30)
+def test_the_lighthouse_listens_without_loading_torch(lighthouse_process):
+    """Its start-up is the Rust server's alone: torchft's package (which imports torch, seconds of CPU) is not run."""
+    process, _ = lighthouse_process
+    maps = Path(f"/proc/{process.pid}/maps").read_text()
+    assert "torchft/_torchft" in maps, "the lighthouse did not load torchft's extension"
+    assert "libtorch" not in maps and "libc10" not in maps, "the lighthouse process loaded torch"
 
 
 @pytest.mark.timeout(30)
@@ -198,9 +210,11 @@ def test_momentum_is_checked_for_every_allowed_quorum_size():
 
 
 def test_chaos_schedule_is_parsed_and_checked():
-    events = parse_chaos(["restart:2@50", "kill:2@40", "stall:1@30:2.5"], workers=3)
-    assert [str(event) for event in events] == ["stall:1@30:2.5", "kill:2@40", "restart:2@50"]
-    for bad in ("kill:3@4", "kill:1", "stall:1@4", "kill:1@4:2", "explode:1@2"):
+    events = parse_chaos(["restart:2@50", "kill:2@40", "stall:1@30:2.5", "stall:0@60-80"], workers=3)
+    assert [str(event) for event in events] == ["stall:1@30:2.5", "kill:2@40", "restart:2@50", "stall:0@60-80"]
+    assert events[-1].until_step == 80 and events[0].until_step is None
+    for bad in ("kill:3@4", "kill:1", "stall:1@4", "kill:1@4:2", "explode:1@2", "kill:1@4-9", "stall:1@9-9",
+                "stall:1@4-9:2"):
         with pytest.raises(ValueError, match="elastic.chaos"):
             parse_chaos([bad], workers=3)
 
@@ -292,14 +306,15 @@ def test_workers_go_on_through_a_lighthouse_that_restarts():
     try:
         for member in members:
             member.connect()
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(2) as pool, log_records("gasloc_lightning.comm") as records:
             first = [f.result(timeout=30) for f in [pool.submit(m.join) for m in members]]
             for member in members:
                 member.commit(1)
             process.kill()
             process.wait()
             futures = [pool.submit(m.start_quorum) for m in members]
-            time.sleep(2.0)  # both ask while it is down
+            for member in members:  # both ask while it is down, and have found it down
+                records.wait(f"{DOWN_MARK} worker={member.name}", timeout=30)
             process = start()
             second = [f.result(timeout=40) for f in futures]
         assert [q.size for q in first] == [2, 2] and [q.size for q in second] == [2, 2]

@@ -170,16 +170,26 @@ def test_a_quorum_larger_than_max_workers_sends_the_surplus_member_away(lighthou
 
 @pytest.mark.timeout(60)
 def test_a_heal_source_that_dies_during_the_transfer_leaves_nothing_partial(lighthouse):
+    """The source is shut down once the joiner's heal has asked for its state, and stages it only after that (events,
+    not timers: a loaded machine cannot reorder them)."""
+    asked, gone = threading.Event(), threading.Event()
+
     def slow_state():
-        time.sleep(1.5)  # staged long after the joiner asked for it
+        asked.set()
+        gone.wait(timeout=20)  # staged after the source died (the deadline only bounds a failure)
         return {"x": torch.full((4,), 7.0)}
+
+    def kill_when_asked():
+        if asked.wait(timeout=30):
+            source.membership.shutdown()
+        gone.set()
 
     source = Member(lighthouse, 1, state=slow_state, start_step=3)
     joiner = Member(lighthouse, 0, quorum_timeout=8)
     source.membership.connect()
     joiner.membership.connect()
     stop = threading.Event()
-    killer = threading.Timer(0.8, source.membership.shutdown)
+    killer = threading.Thread(target=kill_when_asked, daemon=True)
     serving = threading.Thread(target=_serve_rounds, args=(source, stop, 3), daemon=True)
     try:
         serving.start()
@@ -189,11 +199,14 @@ def test_a_heal_source_that_dies_during_the_transfer_leaves_nothing_partial(ligh
         except MembershipError:
             quorum = None
     finally:
+        was_asked = asked.is_set()
         stop.set()
-        killer.cancel()
+        asked.set()  # a killer still waiting goes now
+        killer.join(timeout=30)
         joiner.membership.shutdown()
         source.membership.shutdown()
         serving.join(timeout=10)
+    assert was_asked, "the joiner's heal never asked the source for its state"
     assert joiner.loaded == []
     if quorum is not None:  # it went on alone once the source was gone, from its own state
         assert not quorum.healed and quorum.members == tuple(m for m in quorum.members if m.startswith("worker_0000"))

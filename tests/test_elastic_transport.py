@@ -67,16 +67,17 @@ def _transport(peers: dict[int, str], timeout: float = 0.4, allreduce: str = "ok
 
 @pytest.mark.timeout(20)
 def test_two_hung_peers_cost_one_deadline_not_one_per_operation():
-    transport, pg = _transport({1: "hung", 2: "hung", 3: "ok"}, timeout=0.4)
+    transport, pg = _transport({1: "hung", 2: "hung", 3: "ok"}, timeout=1.0)
     pending = transport.post(torch.ones(8), {1: 0.25, 2: 0.25, 3: 0.25}, round_index=0)
     start = time.monotonic()
     received, completed = transport.complete(pending)
     elapsed = time.monotonic() - start
-    # 2 peers x (send + receive) waited one after the other with fresh timeouts would take 4 x 0.4 s.
-    assert elapsed < 0.75, elapsed
+    # 2 peers x (send + receive) waited one after the other with fresh timeouts would take 4 x 1 s (two of them
+    # 2 s); one deadline is 1 s, and 0.75 s more is for a loaded machine's scheduling.
+    assert elapsed < 1.75, elapsed
     assert completed == [3] and len(received) == 1 and torch.all(received[0][1] == 3.0)
     assert transport.failed_exchanges == 2 and transport.failed_collectives == 0
-    assert all(waited <= 0.45 for work in pg.works for waited in work.waited)
+    assert all(waited <= 1.0 for work in pg.works for waited in work.waited)
 
 
 def test_a_dead_peer_fails_at_once_and_is_counted_once():
@@ -109,4 +110,4 @@ def test_a_hung_all_reduce_waits_at_most_the_gossip_timeout():
     start = time.monotonic()
     with pytest.raises(ElasticCollectiveError):
         transport.all_reduce_mean(torch.ones(8))
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # without the gossip timeout it waits 30 s; the rest is for a loaded machine

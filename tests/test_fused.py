@@ -19,7 +19,8 @@ from gasloc_lightning.algorithm import fused
 from gasloc_lightning.algorithm.outer import OuterState, mix
 
 # One thread count for the whole module: dynamo guards on it, a change recompiles.
-pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread")]
+# xdist: one worker compiles the kernels once for the module.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_torch_thread"), pytest.mark.xdist_group("fused")]
 
 ETA, GAMMA, WEIGHT = 0.7, 0.5, 0.5
 

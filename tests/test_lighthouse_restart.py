@@ -8,10 +8,8 @@ only. The real ``torchft_lighthouse`` runs in each test that needs one; every pr
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +22,7 @@ pytest.importorskip("torchft")
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from app_utils import CONF, shared_cache_dir  # noqa: E402
+from log_utils import log_records  # noqa: E402
 from gasloc_lightning.app.elastic import (  # noqa: E402
     ChaosEvent,
     check_elastic,
@@ -110,35 +109,11 @@ def _until(condition, timeout: float, message: str) -> None:
         time.sleep(0.02)
 
 
-class _Records(logging.Handler):
-    """Collects the log records of the membership modules; :meth:`wait` blocks until one contains a text."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        self.changed = threading.Condition()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self.changed:
-            self.lines.append(record.getMessage())
-            self.changed.notify_all()
-
-    def wait(self, text: str, timeout: float) -> None:
-        with self.changed:
-            assert self.changed.wait_for(lambda: any(text in line for line in self.lines), timeout), \
-                f"no log line with {text!r} within {timeout:g}s: {self.lines[-5:]}"
-
-
 @pytest.fixture
 def records():
-    handler = _Records()
-    logger = logging.getLogger("gasloc_lightning.comm")
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
+    """The membership modules' log lines."""
+    with log_records("gasloc_lightning.comm") as handler:
+        yield handler
 
 
 @pytest.fixture

@@ -445,6 +445,7 @@ def _system_namespaces() -> tuple[bool, list[str]]:
     return Path("/run/netns").exists(), (netns_names() if os.geteuid() == 0 else [])
 
 
+@pytest.mark.xdist_group("netlab")  # compares the machine's namespaces before and after: no lab may run beside it
 def test_why_no_lab_says_why_and_leaves_nothing_behind(monkeypatch):
     before = _system_namespaces()
     reason = why_no_lab()

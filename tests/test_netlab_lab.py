@@ -57,7 +57,8 @@ def _lab_process(command: list[str], **popen: object) -> Iterator[subprocess.Pop
 
 
 _NO_LAB = why_no_lab()  # makes nothing that outlives the check (a thread's own namespace)
-pytestmark = [pytest.mark.netlab, pytest.mark.slow, pytest.mark.distributed,
+# xdist: one lab at a time (test_netlab.py checks that a probe leaves the machine's namespaces as they were).
+pytestmark = [pytest.mark.netlab, pytest.mark.slow, pytest.mark.distributed, pytest.mark.xdist_group("netlab"),
               pytest.mark.skipif(_NO_LAB is not None, reason=_NO_LAB or "")]
 
 TWO_SITES = LabPlan(addresses=("10.213.0.1", "10.213.0.2"), worker_sites=(0, 1), rates_mbit=((0.0, 8.0), (8.0, 0.0)))
@@ -265,8 +266,9 @@ def test_sigterm_mid_run_leaves_no_namespace_and_no_process(tmp_path, cache_dir)
                f"output_dir={output}", f"cache_dir={cache_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     with _lab_process(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                       start_new_session=True) as process:
-        assert _wait(lambda: all((output / f"worker_{w}" / "progress.json").exists() for w in range(4)), 150)
-        time.sleep(2.0)
+        # mid-run: every worker has trained a round (an event, not 2 s after their start)
+        assert _wait(lambda: all((read_progress(output / f"worker_{w}") or {}).get("step", 0) >= 5 for w in range(4)),
+                     150)
         prefix = next(name for name in lab_namespaces() if name.startswith(f"glab-{process.pid}-")).rsplit("-", 1)[0]
         process.send_signal(signal.SIGTERM)
         out, _ = process.communicate(timeout=150)

@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ("tensorboard", "transformers", "datasets", "torchft", "nbclient", "nbformat", "ipykernel")
 
 
+# xdist: one worker builds the wheel (a build writes into the checkout, so two at once would collide).
+pytestmark = pytest.mark.xdist_group("wheel")
+
+
 @pytest.fixture(scope="module")
 def wheel_site(tmp_path_factory):
     """The package's wheel, built from the checkout and installed (without dependencies) into a folder."""

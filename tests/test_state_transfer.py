@@ -300,7 +300,7 @@ def test_slow_readers_never_block_disallow_or_other_clients(make_transport):
 
     start = time.monotonic()
     transport.disallow_checkpoint()
-    assert time.monotonic() - start < 0.1
+    assert time.monotonic() - start < 1.0  # not the 1.5 s reader timeout (the rest is for a loaded machine)
     assert transport.staged_bytes == 0
 
     transport.send_checkpoint([1], 4, {"live": torch.arange(3.0)}, None)

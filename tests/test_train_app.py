@@ -100,6 +100,7 @@ def test_popen_launcher_is_refused_under_multirun(tmp_path):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("sweep")  # the worker that runs the sweep for test_compare.py
 def test_multirun_of_two_jobs_leaves_exactly_two_run_folders(tmp_path_factory):
     sweep_dir = finished_sweep(tmp_path_factory)
     jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())

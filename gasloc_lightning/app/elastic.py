@@ -35,7 +35,6 @@ import os
 import random
 import re
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +58,7 @@ from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_te
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import check_budget
+from gasloc_lightning.app.torchft_lighthouse import lighthouse_program
 from gasloc_lightning.comm.endpoints import Endpoint, host_port
 from gasloc_lightning.comm.lighthouse_watch import DOWN_MARK
 from gasloc_lightning.comm.membership import lighthouse_reachable
@@ -128,23 +128,27 @@ LIGHTHOUSE = -1  # the ``worker`` of a lighthouse event
 @dataclass(frozen=True)
 class ChaosEvent:
     """``kill:W@STEP`` (SIGKILL), ``term:W@STEP`` (SIGTERM: W leaves cleanly), ``restart:W@STEP``,
-    ``stall:W@STEP:SECONDS``, or ``lighthouse@STEP[:SECONDS]`` (SIGKILL the lighthouse; restart it on the same
-    address SECONDS later, or without SECONDS once every running worker says it waits for it); STEP is the furthest
-    live worker's step."""
+    ``stall:W@STEP:SECONDS`` or ``stall:W@STEP-UNTIL`` (SIGSTOP; SIGCONT after SECONDS, or once the furthest live
+    worker reaches step UNTIL: a window in steps spans the others' round boundaries however fast the machine is),
+    or ``lighthouse@STEP[:SECONDS]`` (SIGKILL the lighthouse; restart it on the same address SECONDS later, or
+    without SECONDS once every running worker says it waits for it); STEP is the furthest live worker's step."""
 
     action: str
     worker: int
     step: int
     seconds: float = 0.0
+    until_step: int | None = None  # a stall's end in steps instead of seconds
 
     def __str__(self) -> str:
         if self.action == "lighthouse":
             return f"lighthouse@{self.step}" + (f":{self.seconds:g}" if self.seconds else "")
-        suffix = f":{self.seconds:g}" if self.action == "stall" else ""
-        return f"{self.action}:{self.worker}@{self.step}{suffix}"
+        if self.action != "stall":
+            return f"{self.action}:{self.worker}@{self.step}"
+        window = f":{self.seconds:g}" if self.until_step is None else f"-{self.until_step}"
+        return f"{self.action}:{self.worker}@{self.step}{window}"
 
 
-_EVENT = re.compile(r"^(kill|term|restart|stall):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
+_EVENT = re.compile(r"^(kill|term|restart|stall):(\d+)@(\d+)(?::(\d+(?:\.\d+)?)|-(\d+))?$")
 _LIGHTHOUSE_EVENT = re.compile(r"^lighthouse@(\d+)(?::(\d+(?:\.\d+)?))?$")
 
 
@@ -160,13 +164,16 @@ def parse_chaos(entries: list[str], workers: int) -> list[ChaosEvent]:
         match = _EVENT.match(str(entry).strip())
         if match is None:
             raise ValueError(f"elastic.chaos entry {entry!r}: expected kill:W@STEP, term:W@STEP, restart:W@STEP, "
-                             "stall:W@STEP:SECONDS or lighthouse@STEP[:SECONDS]")
-        action, worker, step, seconds = match.group(1), int(match.group(2)), int(match.group(3)), match.group(4)
+                             "stall:W@STEP:SECONDS, stall:W@STEP-UNTIL or lighthouse@STEP[:SECONDS]")
+        action, worker, step = match.group(1), int(match.group(2)), int(match.group(3))
+        seconds, until = match.group(4), match.group(5)
         if worker >= workers:
             raise ValueError(f"elastic.chaos entry {entry!r}: worker {worker} does not exist (elastic.workers={workers})")
-        if (action == "stall") != (seconds is not None):
-            raise ValueError(f"elastic.chaos entry {entry!r}: only stall takes :SECONDS, and it needs it")
-        events.append(ChaosEvent(action, worker, step, float(seconds or 0.0)))
+        if (action == "stall") != (seconds is not None or until is not None):
+            raise ValueError(f"elastic.chaos entry {entry!r}: only stall takes :SECONDS or -UNTIL, and it needs one")
+        if until is not None and int(until) <= step:
+            raise ValueError(f"elastic.chaos entry {entry!r}: UNTIL must be after STEP")
+        events.append(ChaosEvent(action, worker, step, float(seconds or 0.0), None if until is None else int(until)))
     return sorted(events, key=lambda event: event.step)
 
 
@@ -229,14 +236,11 @@ def free_port(bind: str = LOOPBACK) -> int:
 # ------------------------------------------------------------------ processes
 def lighthouse_command(port: int, min_workers: int, join_timeout_ms: int, heartbeat_timeout_ms: int, *,
                        bind: str = LOOPBACK) -> list[str]:
-    """The ``torchft_lighthouse`` command line (the CLI next to this Python, else on PATH), listening on
-    ``bind:port`` only."""
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    binary = str(binary) if binary.exists() else shutil.which("torchft_lighthouse")
-    if binary is None:
-        raise RuntimeError("torchft_lighthouse not found: install the elastic extra (pip install 'gasloc-lightning[elastic]')")
-    return [binary, "--bind", host_port(bind, port), "--min_replicas", str(min_workers), "--join_timeout_ms",
-            str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--quorum_tick_ms", "50"]
+    """The lighthouse's command line (torchft's, started without importing torch: see ``app.torchft_lighthouse``),
+    listening on ``bind:port`` only."""
+    return [*lighthouse_program(), "--bind", host_port(bind, port), "--min_replicas", str(min_workers),
+            "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms),
+            "--quorum_tick_ms", "50"]
 
 
 def _start_process(command: list[str], log_path: Path, env: dict[str, str], **popen: Any) -> subprocess.Popen:
@@ -260,7 +264,8 @@ class WorkerRecord:
     joined: list[int] = field(default_factory=list)
     left: list[int] = field(default_factory=list)
     exit_steps: list[int] = field(default_factory=list)  # each incarnation's own step when it ended
-    stalled_until: float | None = None
+    stalled_until: float | None = None  # a stall's end: a monotonic time ...
+    stalled_until_step: int | None = None  # ... or the furthest live worker's step
     spare: subprocess.Popen | None = None  # the next incarnation, started ahead and held until its restart
     spare_release: Path | None = None  # the file whose creation releases the spare
     spawned: int = 0  # processes started for this slot (spares included)
@@ -276,6 +281,10 @@ class WorkerRecord:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_until is not None or self.stalled_until_step is not None
 
     @property
     def checkpoint(self) -> Path:
@@ -487,7 +496,7 @@ class ElasticRun:
                 event = pending.pop(0)
                 if not self._fire(event, step, pending):
                     waiting.append(event)
-            self._resume_stalled()
+            self._resume_stalled(step)
             self._restart_lighthouse_when_due()
             self._report_quorum(step)
             self.live.update({record.worker: _as_seen(record) for record in self.workers})
@@ -531,7 +540,7 @@ class ElasticRun:
         if outage.event.seconds:
             due = time.monotonic() - outage.since >= outage.event.seconds
         else:
-            running = [record for record in self.workers if record.running and record.stalled_until is None]
+            running = [record for record in self.workers if record.running and not record.stalled]
             due = all(_logged_since(record.output_dir / "worker.log", outage.log_marks.get(record.worker, 0),
                                     DOWN_MARK) for record in running)
         if due:
@@ -566,7 +575,10 @@ class ElasticRun:
             self._ask_to_leave(record)
         else:
             record.process.send_signal(signal.SIGSTOP)
-            record.stalled_until = time.monotonic() + event.seconds
+            if event.until_step is None:
+                record.stalled_until = time.monotonic() + event.seconds
+            else:
+                record.stalled_until_step = event.until_step
         return True
 
     def _restart(self, record: WorkerRecord, pending: list[ChaosEvent]) -> None:
@@ -584,7 +596,7 @@ class ElasticRun:
         """SIGTERM (SIGCONT first: a stopped process cannot act on it): the worker finishes its round and leaves."""
         record.process.send_signal(signal.SIGCONT)
         record.process.send_signal(signal.SIGTERM)
-        record.stalled_until = None
+        record.stalled_until = record.stalled_until_step = None
         record.leaving = True
 
     def _end(self, record: WorkerRecord, why: str, left_at: int | None = None) -> None:
@@ -615,13 +627,16 @@ class ElasticRun:
         elif record.ended_by is None and record.exit_code != 0:
             print(f"worker {record.worker} failed (exit {record.exit_code}): {progress.get('error')}", flush=True)
 
-    def _resume_stalled(self) -> None:
+    def _resume_stalled(self, step: int) -> None:
+        """SIGCONT each stalled worker whose window has ended (``step``: the furthest live worker's)."""
         for record in self.workers:
-            if record.stalled_until is not None and time.monotonic() >= record.stalled_until:
+            timed_out = record.stalled_until is not None and time.monotonic() >= record.stalled_until
+            reached = record.stalled_until_step is not None and step >= record.stalled_until_step
+            if timed_out or reached:
                 if record.running:
                     record.process.send_signal(signal.SIGCONT)
                     print(f"worker {record.worker} resumed (SIGCONT)", flush=True)
-                record.stalled_until = None
+                record.stalled_until = record.stalled_until_step = None
 
     def _report_quorum(self, step: int) -> None:
         sizes = [record.progress().get("quorum_size") for record in self.workers if record.running]
