@@ -50,6 +50,19 @@ def test_the_mean_is_preserved_under_top_k_with_error_feedback():
     assert (sent_sum - true_sum).abs().max() > 0.01 * scale  # the residuals hold a real share of it
 
 
+def test_the_residuals_resume_from_a_state_dict_and_refuse_another_run():
+    messages = SparseMessages("topk-0.1-int4", 50, rows=2)
+    messages.encode_rows(torch.randn(2, 50, generator=torch.Generator().manual_seed(0)), [0, 1])
+    resumed = SparseMessages("topk-0.1-int4", 50, rows=2)
+    resumed.load_state_dict(messages.state_dict())
+    assert all(torch.equal(resumed.residual(i), messages.residual(i)) for i in range(2))
+    assert messages.residual(0).abs().sum() > 0
+    with pytest.raises(ValueError, match="2 error-feedback residuals, this run needs 3"):
+        SparseMessages("topk-0.1-int4", 50, rows=3).load_state_dict(messages.state_dict())
+    with pytest.raises(ValueError, match="codec"):
+        SparseMessages("topk-0.2-int4", 50, rows=2).load_state_dict(messages.state_dict())
+
+
 # ---------------------------------------------------------------------------- SparseLoCo against an oracle
 def _oracle_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     """The k largest |x| kept (ties: the lowest index), the rest zero; float64."""
