@@ -274,7 +274,7 @@ class DiLoCoStrategy(LocalStepsStrategy):
                 self._transport.all_reduce_mean(buffers)
         else:
             self._sparse.mean(wire[None], params)
-        n = self.world_size
+        n = self.num_workers  # the all-gather runs between workers (a sharded worker's ranks: one per shard)
         self._clock_all_reduce(all_gather_element_size(self._sparse.wire_bytes, params.numel(), n))
 
     @override
