@@ -14,7 +14,7 @@ Prints, per family and seed, both final consensus validation losses, the relativ
 ``(topk - float32) / float32`` and the bytes ratio (every worker's bytes sent, summed), then the means.
 
     nice -n 10 python benchmarks/topk_probe.py            # 12 runs; about 45 min on a loaded 2-core box
-    python benchmarks/topk_probe.py --families diloco --seeds 0
+    python benchmarks/topk_probe.py --families diloco --seeds 0 --sparseloco-outer-lr 2.0
 """
 
 from __future__ import annotations
@@ -41,16 +41,22 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--sparseloco-outer-lr", type=float, default=None,
+                        help="eta of strategy=sparseloco (default: the config's)")
     parser.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     args = parser.parse_args()
     common = [f"sim.workers={args.workers}", f"trainer.devices={args.workers}", "sim.threads=1",
               "trainer.val_check_interval=50"]
+    families = {name: pair for name, pair in FAMILIES.items()}
+    if args.sparseloco_outer_lr is not None:
+        dense, sparse = families["diloco"]
+        families["diloco"] = (dense, [*sparse, f"strategy.outer_lr={args.sparseloco_outer_lr}"])
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for family in args.families:
             for seed in args.seeds:
                 runs = [run_sim([*overrides, *common, f"seed={seed}"], Path(scratch) / f"{family}-{seed}-{kind}")
-                        for kind, overrides in zip(("float32", "topk"), FAMILIES[family])]
+                        for kind, overrides in zip(("float32", "topk"), families[family])]
                 dense, sparse = runs
                 rows.append({"family": family, "seed": seed, "float32": dense["val_loss"], "topk": sparse["val_loss"],
                              "gap": (sparse["val_loss"] - dense["val_loss"]) / dense["val_loss"],
