@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     common = [f"sim.workers={args.workers}", f"trainer.devices={args.workers}", "sim.threads=1",
               "trainer.val_check_interval=50"]
-    families = {name: pair for name, pair in FAMILIES.items()}
+    families = dict(FAMILIES)
     if args.sparseloco_outer_lr is not None:
         dense, sparse = families["diloco"]
         families["diloco"] = (dense, [*sparse, f"strategy.outer_lr={args.sparseloco_outer_lr}"])
