@@ -83,6 +83,11 @@ CASES = {
     "streaming_diloco_int8_network": Case(("strategy=diloco", "strategy.fragments=2",
                                            "strategy.fragment_update_alpha=0.25", "strategy.message_codec=int8",
                                            *TWO_CLUSTERS)),
+    # SparseLoCo: top-k 1% at 2 bits with error feedback, the mean an all-gather of the wires (bytes: (n - 1) wires).
+    "sparseloco_network": Case(("strategy=sparseloco", "strategy.message_codec=topk-0.01-int2", *TWO_CLUSTERS)),
+    # Top-k gossip with per-edge error feedback and the damped consensus step (default 0.05).
+    "topk_ring": Case(("strategy=gasloc", "topology=ring", "strategy.message_codec=topk-0.05-int8",
+                       "strategy.error_feedback=true")),
     # A straggler at half speed with H_i by speed (inner_steps=auto: H = [2, 2, 2, 1]).
     "straggler_auto_h": Case(("strategy=gasloc", "topology=one_peer", "network=straggler", "network.world_size=4",
                               "network.speeds=[1.0,1.0,1.0,0.5]", "inner_steps=auto",

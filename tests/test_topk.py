@@ -166,48 +166,54 @@ def test_constructor_arguments_are_validated_by_name(kwargs, argument):
         TopKCodec(**kwargs)
 
 
-@pytest.mark.parametrize("error_feedback", [False, True])
-def test_the_round_refuses_top_k_where_it_would_drop_most_of_the_message(error_feedback):
-    with pytest.raises(ValueError, match="damped consensus step"):
-        GossipRound(torch.zeros(100), 100, outer_lr=0.7, outer_momentum=0.5, message_codec="topk-0.1-int4",
-                    error_feedback=error_feedback)
+def test_the_round_refuses_top_k_where_it_would_drop_most_of_the_message():
+    with pytest.raises(ValueError, match="only with error_feedback=True"):
+        GossipRound(torch.zeros(100), 100, outer_lr=0.7, outer_momentum=0.5, message_codec="topk-0.1-int4")
     with pytest.raises(ValueError, match="all-gather"):
         EncodedMean("topk-0.1-int4", 100, 2)
 
 
-# ---------------------------------------------------------------------------- refused at every entry point
-# No engine sends a sparse codec yet: each entry point must say so when it is built, not at setup or at the
-# first round, and say where top-k can be used today.
+# ---------------------------------------------------------------------------- refused where not wired
+# Top-k runs with error feedback in gasloc-train and gasloc-sim (tests/test_sparseloco.py); without error
+# feedback, and in the elastic mode, each entry point must say so when it is built, not at setup or at the
+# first round.
 
-NOT_WIRED = r"is a sparse \(top-k\) codec, which is not wired into the engines yet.*benchmarks/topk_gossip.py"
+ELASTIC = r"is a sparse \(top-k\) codec, which the elastic mode does not take.*strategy=sparseloco"
 
 
 def test_check_codec_refuses_sparse_codecs_unless_allowed_naming_the_argument():
-    with pytest.raises(ValueError, match="strategy.message_codec='topk-0.1' " + NOT_WIRED):
+    with pytest.raises(ValueError, match="strategy.message_codec='topk-0.1' " + ELASTIC):
         check_codec("topk-0.1", argument="strategy.message_codec")
     assert check_codec("int4") == "int4"
 
 
 @pytest.mark.parametrize("build", [
-    lambda: GASLoCStrategy(message_codec="topk"),
-    lambda: DiLoCoStrategy(message_codec="topk-0.01-int2"),
     lambda: ElasticGASLoCStrategy(lighthouse="127.0.0.1:1", worker_id=0, message_codec="topk"),
     lambda: ElasticDiLoCoStrategy(lighthouse="127.0.0.1:1", worker_id=0, message_codec="topk-0.01-int2"),
+], ids=["elastic", "elastic_diloco"])
+def test_the_elastic_strategies_refuse_top_k_at_construction(build):
+    with pytest.raises(ValueError, match="message_codec='topk[^']*' " + ELASTIC):
+        build()
+
+
+@pytest.mark.parametrize("build", [
+    lambda: GASLoCStrategy(message_codec="topk"),
+    lambda: DiLoCoStrategy(message_codec="topk-0.01-int2"),
     lambda: DiLoCoRounds(initial=torch.zeros(2, 10), outer_lr=0.7, outer_momentum=0.9, clocks=WorkerClocks(None, 2),
                          message_codec="topk-0.1-int4"),
-], ids=["gasloc", "diloco", "elastic", "elastic_diloco", "sim_diloco_rounds"])
-def test_strategies_refuse_top_k_at_construction(build):
-    with pytest.raises(ValueError, match="message_codec='topk[^']*' " + NOT_WIRED):
+], ids=["gasloc", "diloco", "sim_diloco_rounds"])
+def test_top_k_without_error_feedback_is_refused_at_construction(build):
+    with pytest.raises(ValueError, match="message_codec='topk[^']*' is sparse.*error_feedback=True"):
         build()
 
 
 @pytest.mark.parametrize("strategy, codec", [("gasloc", "topk"), ("diloco", "topk-0.01-int2")])
-def test_gasloc_sim_refuses_top_k_in_its_config_check(strategy, codec, tmp_path):
+def test_gasloc_sim_refuses_top_k_without_error_feedback_before_any_data(strategy, codec, tmp_path):
     overrides = ["experiment=demo", f"strategy={strategy}", f"strategy.message_codec={codec}",
                  f"data.source={tmp_path / 'missing.txt'}", f"cache_dir={tmp_path}", f"output_dir={tmp_path}"]
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("sim/app", overrides=overrides)
-    with pytest.raises(ValueError, match=f"strategy.message_codec='{codec}' " + NOT_WIRED):
+    with pytest.raises(ValueError, match=f"message_codec='{codec}' is sparse.*error_feedback=True"):
         sim_app.build(cfg)
 
 

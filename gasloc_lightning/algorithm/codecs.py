@@ -47,8 +47,8 @@ ascending order (int32; int64 beyond 2^31 - 1 elements) and the k values encoded
 (``values``, default int4, with one scale per ``block_size`` *kept* values: a ``block_size`` of at least k
 is one scale per message). Every other entry decodes to exactly 0, so the codec is meant for a message
 with error feedback (the dropped part is kept and sent later: ``algorithm/error_feedback.py`` for
-DiLoCo-like means; gossip's per-edge copies would also need a damped step; no engine takes a sparse codec yet, and
-``round.check_codec`` refuses one at every entry point, see docs/compression.md). At 1% density the wire is
+DiLoCo-like means, :mod:`~gasloc_lightning.algorithm.sparse_mean` for SparseLoCo; gossip's per-edge copies with a
+damped ``consensus_step``; docs/algorithm.md section 5d, which also lists where it is refused). At 1% density the wire is
 0.0107x (int2) to 0.0126x (int8) float32's bytes; the indices are most of it. A wire whose indices are
 out of range or not increasing (corrupted on the way) decodes to a row of NaN, never to an error, so
 the caller's finiteness check rejects it.

@@ -60,8 +60,8 @@ def check_codec(message_codec: str, *, allow_sparse: bool = False, argument: str
 
     Args:
         message_codec: a codec name (see :func:`build_codec`).
-        allow_sparse: accept a sparse (top-k) codec. No engine sends one yet, so only the codec layer's own
-            tools (wire sizes, tests, benchmarks) pass True.
+        allow_sparse: accept a sparse (top-k) codec: the entry points that take one with error feedback
+            (DiLoCo and gossip in ``gasloc-train`` and ``gasloc-sim``) pass True; the elastic mode does not.
         argument: the argument or config key to name in the error (``strategy.message_codec`` in a config).
     """
     try:
@@ -69,11 +69,31 @@ def check_codec(message_codec: str, *, allow_sparse: bool = False, argument: str
     except ValueError as error:
         raise ValueError(f"{argument}={message_codec!r} is not a codec: {error}") from None
     if sparse and not allow_sparse:
-        raise ValueError(f"{argument}={message_codec!r} is a sparse (top-k) codec, which is not wired into the "
-                         "engines yet (strategies, elastic mode, simulator). Today it can be used through the codec "
-                         "API (gasloc_lightning.algorithm.codecs.build_codec, algorithm/error_feedback.py) and "
-                         "benchmarks/topk_gossip.py; see docs/compression.md")
+        raise ValueError(f"{argument}={message_codec!r} is a sparse (top-k) codec, which the elastic mode does not "
+                         "take: use it with error feedback in gasloc-train or gasloc-sim (strategy=sparseloco, or "
+                         "strategy=gasloc with error_feedback=true); see docs/algorithm.md")
     return message_codec
+
+
+#: The consensus step of a sparse codec by default. benchmarks/topk_gossip.py (ring of 4, P = 1000, seed 0,
+#: topk-0.01-int8 with per-edge error feedback): only s = 0.05 contracted (spread 0.35 / 0.21 / 0.11 / 0.09 of
+#: the start after 100 / 200 / 400 / 800 rounds); s = 0.2, 0.5 and 1 grew it (10, 50 and 4e4 after 800 rounds).
+SPARSE_CONSENSUS_STEP = 0.05
+
+
+def resolve_consensus_step(message_codec: str, consensus_step: float | None, *, error_feedback: bool) -> float:
+    """Gossip's consensus step s for ``message_codec`` (None: the default); refuses a sparse codec without
+    ``error_feedback`` (the rest of the point would be sent as zeros)."""
+    sparse = build_codec(message_codec).sparse
+    if sparse and not error_feedback:
+        raise ValueError(f"message_codec={message_codec!r} is sparse: gossip takes it only with error_feedback=True "
+                         "(per-edge public copies), or the rest of the point would be sent as zeros")
+    if consensus_step is None:
+        return SPARSE_CONSENSUS_STEP if sparse else 1.0
+    if isinstance(consensus_step, bool) or not isinstance(consensus_step, (int, float)) or \
+            not 0.0 < consensus_step <= 1.0:
+        raise ValueError(f"consensus_step (s) must be None or lie in (0, 1], got {consensus_step!r}")
+    return float(consensus_step)
 
 
 def wire_format(message_codec: str, numel: int) -> tuple[int, torch.dtype]:
@@ -106,6 +126,9 @@ class GossipRound:
         error_feedback: send each peer the encoded *difference* between the point and the public copy that
             peer holds of it (CHOCO-gossip, per edge; see :class:`EdgeCopies`), instead of the encoded point.
             Needs a lossy codec and edges that repeat (a fixed or periodic graph).
+        consensus_step: s in (0, 1], the factor on every correction C_i (CHOCO's consensus step size). None:
+            1 for dense codecs, :data:`SPARSE_CONSENSUS_STEP` for a sparse (top-k) one, which needs a damped
+            step (benchmarks/topk_gossip.py). Only the rounds that mix by correction take s < 1.
         fused: run the exact round (float32, no overlap, anchored, one worker, one peer) as two fused
             kernels (:mod:`gasloc_lightning.algorithm.fused`); None: when that module says it pays (large
             vectors on CPU, ``GASLOC_FUSED_ROUND``). The results differ from the eager passes in the last bits.
@@ -123,6 +146,7 @@ class GossipRound:
         overlap: bool = False,
         delayed_weight: float = 1.0,
         error_feedback: bool = False,
+        consensus_step: float | None = None,
         fused: bool | None = None,
     ) -> None:
         if initial.dim() not in (1, 2):
@@ -137,16 +161,14 @@ class GossipRound:
         self.message_codec = check_codec(message_codec, allow_sparse=True)  # refused below, with the reason
         if error_feedback and message_codec == "float32":
             raise ValueError("error_feedback needs a lossy message_codec (int8, fp8, int4, int2, bfloat16)")
-        if build_codec(message_codec).sparse:
-            # Without feedback the rest of the point is sent as zeros. With the per-edge copies below and the
-            # full (undamped) step, the spread grows below about 30% density (benchmarks/topk_gossip.py: at 1%
-            # only a step of 0.05 contracts): CHOCO needs a damped consensus step, which this round lacks.
-            raise ValueError(f"message_codec={message_codec!r} is sparse: gossip does not take it yet (it needs "
-                             "error feedback with a damped consensus step, see docs/compression.md)")
+        self.consensus_step = resolve_consensus_step(message_codec, consensus_step, error_feedback=error_feedback)
         self.num_parameters, self.numel = int(num_parameters), int(numel)
         self.overlap = bool(overlap)
         self.by_correction = self.overlap or message_codec != "float32"
-        self._scale = float(delayed_weight) if self.overlap else 1.0
+        if self.consensus_step != 1.0 and not self.by_correction:
+            raise ValueError(f"consensus_step={consensus_step!r} needs a round that mixes by correction (a lossy "
+                             "message_codec or overlap); the exact float32 mix takes the full step")
+        self._scale = (float(delayed_weight) if self.overlap else 1.0) * self.consensus_step
         self.outer = OuterState(initial[..., :num_parameters], outer_lr, outer_momentum, outer_form)
         rows, device = tuple(initial.shape[:-1]), initial.device
         self._codec = None if message_codec in ("float32", "bfloat16") else build_codec(message_codec)

@@ -91,6 +91,7 @@ class GASLoCStrategySchema(LocalStepsSchema):
     delayed_weight: float = 1.0
     message_codec: str = "float32"  # float32, bfloat16, int8, fp8, int4, int2
     error_feedback: bool = False  # CHOCO public copies per edge (fixed or periodic graphs)
+    consensus_step: Optional[float] = None  # s on every correction; null: 1, or 0.05 for a top-k codec
     fragments: int = 1  # fragment gossip: F fragments, each its own round, staggered through the round
     fragment_sync_delay: int = 0  # steps between a fragment's message leaving and its mix landing
     fragment_update_alpha: float = 0.0  # live share when a fragment lands
@@ -106,6 +107,8 @@ class DiLoCoStrategySchema(LocalStepsSchema):
     fragment_sync_delay: int = 0  # steps between a fragment's pseudo-gradient leaving and its outer step
     fragment_update_alpha: float = 0.0  # live share when a fragment lands
     overlap: bool = False  # fragment_sync_delay 1: each all-reduce runs under one step of compute
+    error_feedback: bool = False  # residual kept per worker; the mean is an all-gather of the wires (top-k)
+    error_feedback_decay: float = 1.0  # beta on the residual (SparseLoCo: 0.95)
 
 
 @dataclass
@@ -298,7 +301,9 @@ def check_choices(cfg: DictConfig) -> None:
     outer_form = strategy.get("outer_form", "anchored")
     if outer_form not in OUTER_FORMS:
         raise ValueError(f"strategy.outer_form must be one of {OUTER_FORMS}, got {outer_form!r}")
-    check_codec(strategy.get("message_codec") or "float32", argument="strategy.message_codec")
+    # A sparse codec is checked (error feedback, consensus step) by the strategy or the simulator's rounds; the
+    # elastic strategies refuse it themselves.
+    check_codec(strategy.get("message_codec") or "float32", allow_sparse=True, argument="strategy.message_codec")
 
 
 register_schemas()

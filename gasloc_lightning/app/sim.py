@@ -274,11 +274,14 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
         rounds: Any = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
                                    outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
                                    delayed_weight=strategy.delayed_weight, message_codec=strategy.message_codec,
-                                   error_feedback=strategy.get("error_feedback", False), clocks=clocks,
+                                   error_feedback=strategy.get("error_feedback", False),
+                                   consensus_step=strategy.get("consensus_step"), clocks=clocks,
                                    **_streaming(strategy, inner_steps, per_worker, model.model, overlap=False))
     else:
         rounds = DiLoCoRounds(initial=replicas.gather(), outer_lr=strategy.outer_lr, outer_momentum=gamma, clocks=clocks,
                               message_codec=strategy.get("message_codec", "float32"),
+                              error_feedback=strategy.get("error_feedback", False),
+                              error_feedback_decay=strategy.get("error_feedback_decay", 1.0),
                               **_streaming(strategy, inner_steps, per_worker, model.model,
                                            overlap=strategy.get("overlap", False)))
     data_node = cfg.data

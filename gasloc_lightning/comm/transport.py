@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gasloc_lightning.algorithm.sparse_mean import SparseMessages, all_gather_bytes
 from gasloc_lightning.comm.encoded_mean import AsyncEncodedMean, EncodedAllReduce, PendingEncodedMean, dedicated_group
 
 log = logging.getLogger(__name__)
@@ -253,6 +254,19 @@ class GossipTransport:
         self.counters.bytes_received += exchange.volume
         self.counters.exchanges += 1
         return tensor
+
+    def all_gather_sparse_mean(self, wire: Tensor, messages: SparseMessages, out: Tensor) -> Tensor:
+        """The mean of every worker's (sparse) wire into ``out``, blocking: an all-gather of the n wires, each
+        worker decoding all n and summing them in rank order (the bits the simulator computes from the same
+        wires). Counted as a ring all-gather: (n - 1) wires sent (and received) per worker."""
+        gathered = messages.new_wires(self.world_size)  # (n, W), row j from rank j
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(gathered.view(-1), wire.view(-1), group=self.group)
+        volume = all_gather_bytes(wire.numel(), self.world_size)
+        self.counters.bytes_sent += volume
+        self.counters.bytes_received += volume
+        self.counters.exchanges += 1
+        return messages.mean(gathered, out)
 
     def open_encoded_means(self, rank_lists: Sequence[Sequence[int]], rank: int) -> None:
         """Make :meth:`post_all_reduce_mean_encoded` possible: a process group of its own for the quantized means

@@ -17,6 +17,8 @@ from torch import Tensor
 
 from gasloc_lightning.algorithm.round import DiLoCoRound, EncodedMean, GossipRound, check_codec, codec_bytes_per_element
 from gasloc_lightning.algorithm.fragments import FragmentPoints
+from gasloc_lightning.algorithm.sparse_mean import (SparseMessages, all_gather_bytes, all_gather_element_size,
+                                                    check_sparse_mean)
 from gasloc_lightning.algorithm.streaming import StreamingDiLoCoOuter
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.network import NetworkModel, SimulatedClock
@@ -186,6 +188,7 @@ class GossipRounds:
         delayed_weight: beta, the scale of the late correction (overlap only).
         message_codec: how messages go on the wire (see :mod:`gasloc_lightning.algorithm.codecs`).
         error_feedback: per-edge public copies (see :class:`~gasloc_lightning.algorithm.round.EdgeCopies`).
+        consensus_step: s, the factor on every correction (None: 1, or 0.05 for a top-k codec).
         clocks: the workers' simulated clocks.
         points: fragment gossip: when each fragment leaves and lands; None: whole-model rounds.
         bounds: the fragments' element ranges (with ``points``).
@@ -204,12 +207,13 @@ class GossipRounds:
         delayed_weight: float = 1.0,
         message_codec: str = "float32",
         error_feedback: bool = False,
+        consensus_step: float | None = None,
         clocks: WorkerClocks,
         points: FragmentPoints | None = None,
         bounds: Sequence[tuple[int, int]] | None = None,
         fragment_update_alpha: float = 0.0,
     ) -> None:
-        check_codec(message_codec)
+        check_codec(message_codec, allow_sparse=True)  # a sparse codec without error feedback: GossipRound refuses
         if topology.uses_all_reduce and (overlap or message_codec != "float32"):
             raise ValueError("overlap and lossy codecs apply to point-to-point gossip, not topology='complete'")
         workers = initial.shape[0]
@@ -219,7 +223,8 @@ class GossipRounds:
         self.topology, self.clocks = topology, clocks
         self.round = GossipRound(initial, initial.shape[1], outer_lr=outer_lr, outer_momentum=outer_momentum,
                                  outer_form=outer_form, message_codec=message_codec, overlap=overlap,
-                                 delayed_weight=delayed_weight, error_feedback=error_feedback)
+                                 delayed_weight=delayed_weight, error_feedback=error_feedback,
+                                 consensus_step=consensus_step)
         self.outer = self.round.outer
         self.overlap = self.round.overlap
         self.bytes_sent = torch.zeros(initial.shape[0], dtype=torch.float64)
@@ -228,7 +233,8 @@ class GossipRounds:
         self.slices = [slice(lo, hi) for lo, hi in bounds] if points is not None else []
         self.fragments = [GossipRound(initial[:, part].clone(), part.stop - part.start, outer_lr=outer_lr,
                                       outer_momentum=outer_momentum, outer_form=outer_form,
-                                      message_codec=message_codec, error_feedback=error_feedback)
+                                      message_codec=message_codec, error_feedback=error_feedback,
+                                      consensus_step=consensus_step)
                           for part in self.slices]
         self._sent = [torch.empty_like(initial[:, part]) for part in self.slices]
         self._fragment_in_flight: dict[int, tuple] = {}
@@ -394,15 +400,23 @@ class DiLoCoRounds:
         points: when each fragment leaves and lands (Streaming DiLoCo); None: one all-reduce per round.
         bounds: the fragments' element ranges (with ``points``).
         fragment_update_alpha: alpha, the live share when a fragment lands.
+        error_feedback: every worker keeps its residual; the mean is the all-gather of the workers' wires
+            (:mod:`~gasloc_lightning.algorithm.sparse_mean`; a sparse codec needs it: SparseLoCo).
+        error_feedback_decay: beta, the factor on the residual.
     """
 
     def __init__(self, *, initial: Tensor, outer_lr: float, outer_momentum: float, clocks: WorkerClocks,
                  message_codec: str = "float32", points: FragmentPoints | None = None,
-                 bounds: Sequence[tuple[int, int]] | None = None, fragment_update_alpha: float = 0.0) -> None:
+                 bounds: Sequence[tuple[int, int]] | None = None, fragment_update_alpha: float = 0.0,
+                 error_feedback: bool = False, error_feedback_decay: float = 1.0) -> None:
         self.round = DiLoCoRound(initial[0], outer_lr=outer_lr, outer_momentum=outer_momentum)
-        self.message_codec = check_codec(message_codec)
-        if message_codec == "int2":
+        self.message_codec = check_codec(message_codec, allow_sparse=True)
+        gathered = check_sparse_mean(message_codec, error_feedback=error_feedback,
+                                     error_feedback_decay=error_feedback_decay, streamed=points is not None)
+        if message_codec == "int2" and not gathered:
             raise ValueError("message_codec='int2' has no zero level: use int4 or int8 for DiLoCo")
+        self.sparse = SparseMessages(message_codec, initial.shape[1], rows=initial.shape[0],
+                                     decay=error_feedback_decay, device=initial.device) if gathered else None
         self._means: dict[int, EncodedMean] = {}  # by (live count, size)
         self.clocks = clocks
         self.points = points
@@ -419,6 +433,10 @@ class DiLoCoRounds:
     def _mean(self, delta: Tensor, live: Sequence[int]) -> Tensor:
         """The live workers' mean of ``delta`` (m, size), as the strategy's (quantized) all-reduce computes it."""
         m, size = delta.shape
+        if self.sparse is not None:  # as the strategy: every worker's wire, all-gathered, decoded in worker order
+            wires = self.sparse.encode_rows(delta, live)
+            self.bytes_sent[list(live)] += all_gather_bytes(self.sparse.wire_bytes, m)
+            return self.sparse.mean(wires, torch.empty(size, device=delta.device))
         if self.message_codec == "float32" or m == 1:
             self.bytes_sent[list(live)] += ring_all_reduce_bytes(size * 4, m)
             return delta.sum(dim=0).div_(m)
@@ -464,9 +482,12 @@ class DiLoCoRounds:
         delta = self.round.pseudo_gradient(flat.index_select(0, index))  # (m, P) pseudo-gradients
         mean = self._mean(delta, live)
         flat[index] = self.round.step(mean)
-        quantized = self.message_codec != "float32"
-        self.clocks.all_reduce(live, element_size=codec_bytes_per_element(self.message_codec, flat.shape[1])
-                               if quantized else None)
+        if self.sparse is not None:
+            size = all_gather_element_size(self.sparse.wire_bytes, flat.shape[1], len(live))
+        else:
+            quantized = self.message_codec != "float32"
+            size = codec_bytes_per_element(self.message_codec, flat.shape[1]) if quantized else None
+        self.clocks.all_reduce(live, element_size=size)
 
     def flush(self, flat: Tensor) -> None:
         """End of training: a fragment that left lands now."""
@@ -485,5 +506,7 @@ class DiLoCoRounds:
 
     def join(self, worker: int, source: int, state_bytes: float) -> None:
         """The round start is shared: a joining worker needs only the live point (copied by the caller); the source
-        sends ``state_bytes``."""
+        sends ``state_bytes``. A joiner's error-feedback residual starts empty (its old one is stale)."""
         self.bytes_sent[source] += state_bytes
+        if self.sparse is not None:
+            self.sparse.reset(worker)

@@ -16,6 +16,12 @@ compute; the live fragment then becomes ``lerp(global, live, fragment_update_alp
 delay of one step (Streaming DiLoCo's usual setting). With a lossy ``message_codec`` the quantized all-reduce
 overlaps the same way, as torchft's does: posted where the fragment leaves, waited on where it lands
 (:class:`~gasloc_lightning.comm.encoded_mean.AsyncEncodedMean`).
+
+**Sparse messages with error feedback** (``error_feedback=True``, usually with a top-k ``message_codec``):
+each worker sends E(beta e + Delta) and keeps what the codec dropped in its residual e; the mean is an
+all-gather of the n wires (:mod:`~gasloc_lightning.algorithm.sparse_mean`). With ``outer_momentum=0`` and
+``error_feedback_decay=0.95`` this is SparseLoCo (arXiv 2508.15706): ``strategy=sparseloco``. Streamed rounds
+are refused with it (not wired yet).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing_extensions import override
 from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
 from gasloc_lightning.algorithm.fragments import FragmentPoints, resolve_points
 from gasloc_lightning.algorithm.round import DiLoCoRound, check_codec, codec_bytes_per_element
+from gasloc_lightning.algorithm.sparse_mean import SparseMessages, all_gather_element_size, check_sparse_mean
 from gasloc_lightning.algorithm.streaming import StreamingDiLoCoOuter
 from gasloc_lightning.comm.encoded_mean import PendingEncodedMean
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
@@ -54,6 +61,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
         fragment_update_alpha: alpha in [0, 1], the live share when a fragment lands (0: take the global value).
         overlap: ``fragment_sync_delay=1``: each all-reduce runs under one step of compute (leave
             ``fragment_sync_delay`` 0; set it instead for a longer delay).
+        error_feedback: each worker keeps the residual its codec dropped and adds it to its next message; the
+            mean is then an all-gather of the workers' wires (needed by a sparse ``message_codec`` such as
+            ``"topk-0.01-int2"``; not with streamed rounds).
+        error_feedback_decay: beta in (0, 1], the factor on the residual before it is added (SparseLoCo: 0.95).
         **kwargs: the remaining arguments of :class:`~gasloc_lightning.strategies.gasloc.LocalStepsStrategy`.
     """
 
@@ -70,11 +81,16 @@ class DiLoCoStrategy(LocalStepsStrategy):
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
         overlap: bool = False,
+        error_feedback: bool = False,
+        error_feedback_decay: float = 1.0,
         **kwargs: Any,
     ) -> None:
         validate_outer_hyperparameters(outer_lr, outer_momentum, "anchored")
-        check_codec(message_codec)
-        if message_codec == "int2":
+        check_codec(message_codec, allow_sparse=True)
+        streamed = fragments != 1 or bool(fragment_sync_delay) or bool(fragment_update_alpha) or bool(overlap)
+        gathered = check_sparse_mean(message_codec, error_feedback=error_feedback,
+                                     error_feedback_decay=error_feedback_decay, streamed=streamed)
+        if message_codec == "int2" and not gathered:
             raise ValueError("message_codec='int2' has no zero level (0 decodes to +scale/2): a quantized mean of "
                              "pseudo-gradients would move every parameter that did not move. Use int4 or int8.")
         for name, value in (("fragments", fragments), ("fragment_sync_delay", fragment_sync_delay)):
@@ -90,7 +106,9 @@ class DiLoCoStrategy(LocalStepsStrategy):
         self._message_codec = message_codec
         self._fragments, self._fragment_sync_delay = fragments, fragment_sync_delay
         self._fragment_update_alpha, self._overlap = float(fragment_update_alpha), bool(overlap)
+        self._error_feedback, self._error_feedback_decay = gathered, float(error_feedback_decay)
         self._round: DiLoCoRound | None = None
+        self._sparse: SparseMessages | None = None
         self._streaming: StreamingDiLoCoOuter | None = None
         self._points: FragmentPoints | None = None
         self._in_flight: dict[int, tuple[Tensor, Any, float | None]] = {}  # fragment: (Delta, work, clock end)
@@ -106,6 +124,14 @@ class DiLoCoStrategy(LocalStepsStrategy):
     @property
     def message_codec(self) -> str:
         return self._message_codec
+
+    @property
+    def error_feedback(self) -> bool:
+        return self._error_feedback
+
+    @property
+    def error_feedback_decay(self) -> float:
+        return self._error_feedback_decay
 
     @property
     def streamed(self) -> bool:
@@ -143,6 +169,9 @@ class DiLoCoStrategy(LocalStepsStrategy):
         self._in_flight = {}
         if not self.streamed:
             self._round = DiLoCoRound(params, outer_lr=self._outer_lr, outer_momentum=self._outer_momentum)
+            if self._error_feedback:
+                self._sparse = SparseMessages(self._message_codec, params.numel(), decay=self._error_feedback_decay,
+                                              device=params.device)
         else:  # the fragments' outer states replace the whole model's
             if self._points is None:
                 self.check_configuration(self.world_size)
@@ -222,7 +251,9 @@ class DiLoCoStrategy(LocalStepsStrategy):
         self._guard_local_point(message, self._round.round_start.detach())
         params, buffers = self.layout.split(message)
         self._round.pseudo_gradient(params)  # params now hold Delta_i
-        if self.world_size > 1 and self._message_codec == "float32":
+        if self._sparse is not None:
+            self._sparse_mean(params, buffers)
+        elif self.world_size > 1 and self._message_codec == "float32":
             self._transport.all_reduce_mean(message)  # mean Delta | mean buffers
             self._clock_all_reduce()
         elif self.world_size > 1:
@@ -232,6 +263,19 @@ class DiLoCoStrategy(LocalStepsStrategy):
             self._clock_all_reduce(codec_bytes_per_element(self._message_codec, params.numel()))
         params.copy_(self._round.step(params))
         self.layout.scatter(message)
+
+    def _sparse_mean(self, params: Tensor, buffers: Tensor) -> None:
+        """params (Delta_i) into the mean of every worker's error-feedback wire (an all-gather); buffers averaged."""
+        wire = self._sparse.new_wires(1)[0]
+        self._sparse.encode(params, wire)
+        if self.world_size > 1:
+            self._transport.all_gather_sparse_mean(wire, self._sparse, params)
+            if buffers.numel():
+                self._transport.all_reduce_mean(buffers)
+        else:
+            self._sparse.mean(wire[None], params)
+        n = self.num_workers  # the all-gather runs between workers (a sharded worker's ranks: one per shard)
+        self._clock_all_reduce(all_gather_element_size(self._sparse.wire_bytes, params.numel(), n))
 
     @override
     def _flush_exchanges(self) -> None:
@@ -259,6 +303,8 @@ class DiLoCoStrategy(LocalStepsStrategy):
         state = super().strategy_state_dict()
         if self._round is not None:
             state["outer"] = self._round.state_dict()
+        if self._sparse is not None:
+            state["error_feedback"] = self._sparse.state_dict()
         if self._streaming is not None:
             self._flush_waits()
             state["streaming"] = {"outer": self._streaming.state_dict(),
@@ -277,6 +323,10 @@ class DiLoCoStrategy(LocalStepsStrategy):
         super().load_strategy_state_dict(state)
         if self._round is not None and state.get("outer") is not None:
             self._round.load_state_dict(state["outer"])
+        if self._sparse is not None:
+            if state.get("error_feedback") is None:
+                raise ValueError("the checkpoint has no error-feedback residual (error_feedback was off)")
+            self._sparse.load_state_dict(state["error_feedback"])
         if self._streaming is not None and state.get("streaming") is not None:
             self._streaming.load_state_dict(state["streaming"]["outer"])
             self._in_flight = {int(f): (d.to(self.root_device), None, end)

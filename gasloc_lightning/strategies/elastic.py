@@ -185,10 +185,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         if is_split_quorum(min_workers, max_workers):
             warnings.warn(split_warning(min_workers, max_workers), SplitQuorumWarning, stacklevel=2)
         _check_int("worker_id", worker_id, 0)
-        for name in ("overlap", "network", "error_feedback", "fragment_sync_delay", "fragment_update_alpha"):
+        for name in ("overlap", "network", "error_feedback", "consensus_step", "fragment_sync_delay",
+                     "fragment_update_alpha"):
             if kwargs.get(name):
                 raise ValueError(f"{name} is not supported by {type(self).__name__}; leave it unset")
-        check_codec(kwargs.get("message_codec") or "float32")  # a sparse codec: say where it can be used today
+        check_codec(kwargs.get("message_codec") or "float32")  # a sparse (top-k) codec: say where it can be used
         for name in ("message_codec", "message_dtype"):
             if kwargs.get(name) not in (None, "float32"):
                 raise ValueError(f"{type(self).__name__} sends float32 messages: {name} must be 'float32'")

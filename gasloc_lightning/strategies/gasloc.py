@@ -18,7 +18,7 @@ from typing_extensions import override
 from gasloc_lightning.algorithm.outer import OuterState, validate_outer_hyperparameters
 from gasloc_lightning.algorithm import fused as fused_kernels
 from gasloc_lightning.algorithm.fragments import FragmentPoints
-from gasloc_lightning.algorithm.round import GossipRound, all_finite, check_codec, wire_format
+from gasloc_lightning.algorithm.round import GossipRound, all_finite, check_codec, resolve_consensus_step, wire_format
 from gasloc_lightning.network import round_pairs
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy, _register_variants
 from gasloc_lightning.algorithm.stability import SWITCHING_SAFE_MOMENTUM
@@ -62,6 +62,10 @@ class GASLoCStrategy(LocalStepsStrategy):
         error_feedback: with a lossy codec, send each peer the encoded difference between this worker's point
             and the public copy that peer holds of it (CHOCO-gossip per edge; two model copies per neighbour).
             Needs a topology whose edges repeat (``ring``, ``torus``, ``exponential``, a fixed custom graph).
+            A sparse ``message_codec`` (top-k, e.g. ``"topk-0.01-int4"``) needs it.
+        consensus_step: s in (0, 1], the factor on every correction (CHOCO's consensus step). None: 1, or 0.05
+            for a top-k codec, whose per-edge copies diverge under the full step (benchmarks/topk_gossip.py,
+            docs/algorithm.md).
         fragments: F, fragments of the model gossiped in turn (fragment gossip, as Streaming DiLoCo): fragment f
             runs its own round (outer state, message, mix) after step floor((f+1) H / F), so the peak traffic is
             1/F of a whole-model round. 1: the whole model at the round's end.
@@ -89,6 +93,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         message_codec: str | None = None,
         message_dtype: Literal["float32", "bfloat16"] | None = None,
         error_feedback: bool = False,
+        consensus_step: float | None = None,
         fragments: int = 1,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
@@ -102,6 +107,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         message_codec = _resolve_codec(message_codec, message_dtype)
         if error_feedback and message_codec == "float32":
             raise ValueError("error_feedback=True needs a lossy message_codec (int8, fp8, int4, int2 or bfloat16)")
+        resolve_consensus_step(message_codec, consensus_step, error_feedback=error_feedback)  # refuse now, not at setup
         if not 0.0 < delayed_weight <= 1.0:
             raise ValueError(f"delayed_weight (beta) must lie in (0, 1], got {delayed_weight!r}")
         if not 0.0 <= fragment_update_alpha <= 1.0:
@@ -115,6 +121,7 @@ class GASLoCStrategy(LocalStepsStrategy):
         self._delayed_weight = float(delayed_weight)
         self._message_codec = message_codec
         self._error_feedback = bool(error_feedback)
+        self._consensus_step = consensus_step
         self._round: GossipRound | None = None
         self._pending: PendingExchange | None = None  # an overlapped exchange in flight
         self._completed: PendingExchange | None = None  # the last finished exchange (its peers' clocks)
@@ -161,6 +168,11 @@ class GASLoCStrategy(LocalStepsStrategy):
     @property
     def error_feedback(self) -> bool:
         return self._error_feedback
+
+    @property
+    def consensus_step(self) -> float | None:
+        """s as given (None: the codec's default, see :func:`~gasloc_lightning.algorithm.round.resolve_consensus_step`)."""
+        return self._consensus_step
 
     @property
     def fused_round(self) -> bool:
@@ -241,6 +253,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.layout.read(), self.layout.num_parameter_elements, outer_lr=self._outer_lr,
             outer_momentum=self.outer_momentum, outer_form=self._outer_form, message_codec=self._message_codec,
             overlap=self._overlap, delayed_weight=self._delayed_weight, error_feedback=self._error_feedback,
+            consensus_step=self._consensus_step,
             # fused kernels round differently in the last bits: the ranks of one worker must all run the same code
             fused=False if self.ranks_per_worker > 1 or self._topology.uses_all_reduce else None,
         )
@@ -255,7 +268,7 @@ class GASLoCStrategy(LocalStepsStrategy):
             self.layout.read(), self.layout.fragment_bounds(self._fragments.count), self.layout.num_parameter_elements,
             outer_lr=self._outer_lr, outer_momentum=self.outer_momentum, outer_form=self._outer_form,
             message_codec=self._message_codec, error_feedback=self._error_feedback,
-            fused=False if self._topology.uses_all_reduce else None,
+            consensus_step=self._consensus_step, fused=False if self._topology.uses_all_reduce else None,
         )
         if any(round_.fused for round_ in self._fragments.rounds):
             fused_kernels.warm_up(self.root_device)  # compile now, not while the first fragment's peers wait
@@ -570,4 +583,4 @@ def _resolve_codec(message_codec: str | None, message_dtype: str | None) -> str:
     if message_codec is not None and message_dtype is not None and message_codec != message_dtype:
         raise ValueError(f"message_codec={message_codec!r} and message_dtype={message_dtype!r} disagree: "
                          "pass message_codec only")
-    return check_codec(message_codec or message_dtype or "float32")
+    return check_codec(message_codec or message_dtype or "float32", allow_sparse=True)
