@@ -5,6 +5,7 @@ nothing waits)."""
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -174,3 +175,22 @@ def test_the_readme_figure_is_rendered_from_a_runs_event_files(tmp_path):
     assert found == {"launcher/quorum_size": {"launcher": [(10, 4.0), (20, 3.0)]}}, "only the series logged"
     view.main([str(board), "--out", str(tmp_path / "view.png"), "--tags", "launcher/quorum_size"])
     assert (tmp_path / "view.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("record", [
+    [1, 2], "running", 3, None,
+    {"state": "running", "step": "abc", "pid": [1], "quorum_size": {"a": 1}, "val_loss": "x",
+     "consensus_distance": [0.1], "failed_exchanges": "many", "bytes_sent": "lots", "bytes_received": None},
+    {"state": ["running"], "step": True, "pid": {"x": 1}},
+])
+def test_a_record_of_the_wrong_shape_reads_as_unknown_and_never_stops_the_launcher(tmp_path, record):
+    from gasloc_lightning.app.elastic_worker import PROGRESS_FILE, read_progress
+
+    (tmp_path / PROGRESS_FILE).write_text(json.dumps(record))
+    read = read_progress(tmp_path)
+    assert read is None or isinstance(read, dict), "only a JSON object is a record"
+    good = _record(7, val_loss=2.5)
+    first = status_of({0: record, 1: good}, max_steps=10, now=0.0)
+    later = status_of({0: record, 1: {**good, "step": 9}}, max_steps=10, now=1.0, previous=first)
+    assert later.furthest_step == 9 and later.val_loss == 2.5, "the good worker's figures are still read"
+    format_status(later, elapsed_s=1.0)

@@ -54,7 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
-from gasloc_lightning.app.live_status import LiveStatus
+from gasloc_lightning.app.live_status import LiveStatus, as_int
 from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard, tensorboard_nodes
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
@@ -541,7 +541,7 @@ class ElasticRun:
 
     def furthest_step(self) -> int:
         """The furthest training step any running worker has reported."""
-        steps = [record.progress().get("step") or 0 for record in self.workers if record.running]
+        steps = [as_int(record.progress().get("step")) or 0 for record in self.workers if record.running]
         return max(steps, default=0)
 
     def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
@@ -604,9 +604,9 @@ class ElasticRun:
             return
         record.exit_code = record.process.returncode
         progress = record.final = record.progress()
-        record.applied += int(progress.get("applied") or 0)
+        record.applied += as_int(progress.get("applied")) or 0
         record.joined.append(progress.get("first_step"))
-        own_step = int(progress.get("step") or 0)
+        own_step = as_int(progress.get("step")) or 0
         record.left.append(own_step if left_at is None else left_at)
         record.exit_steps.append(own_step)
         if progress.get("state") == "left":
@@ -624,7 +624,7 @@ class ElasticRun:
                 record.stalled_until = None
 
     def _report_quorum(self, step: int) -> None:
-        sizes = [record.progress().get("quorum_size") for record in self.workers if record.running]
+        sizes = [as_int(record.progress().get("quorum_size")) for record in self.workers if record.running]
         sizes = [size for size in sizes if size]
         if not sizes:
             return

@@ -61,10 +61,12 @@ def write_progress(output_dir: str | os.PathLike, record: dict[str, Any]) -> Non
 
 
 def read_progress(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The worker's last record; ``None`` when there is none, it is torn, or it is not a JSON object."""
     try:
-        return json.loads((Path(output_dir) / PROGRESS_FILE).read_text())
+        record = json.loads((Path(output_dir) / PROGRESS_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 class SharedValidationData(ByteDataModule):
