@@ -676,17 +676,24 @@ class ElasticRun:
 
     def stop(self) -> None:
         """Stop every process this launcher started and that still runs, by pid: the workers and held spares first
-        (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round)."""
-        self.live.close()  # the last status line stays; what follows prints below it
-        self.series.close()
-        running = [record for record in self.workers if record.running]
-        for record in running:
-            record.ended_by = record.ended_by or "stopped"
-        spares = [record.spare for record in self.workers if record.spare is not None]
-        terminate([record.process for record in running] + spares, _STOP_GRACE_S)
-        self._reap()
-        if self.lighthouse is not None:
-            terminate([self.lighthouse], _STOP_GRACE_S)
+        (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round).
+        The live line and the TensorBoard series are closed after, each on its own: a closed pipe or a full disk
+        there must not leave a process running nor skip the run's summary."""
+        try:
+            running = [record for record in self.workers if record.running]
+            for record in running:
+                record.ended_by = record.ended_by or "stopped"
+            spares = [record.spare for record in self.workers if record.spare is not None]
+            terminate([record.process for record in running] + spares, _STOP_GRACE_S)
+            self._reap()
+            if self.lighthouse is not None:
+                terminate([self.lighthouse], _STOP_GRACE_S)
+        finally:
+            for name, view in (("live status", self.live), ("TensorBoard series", self.series)):
+                try:
+                    view.close()  # the last status line stays; the summary table prints below it
+                except Exception as error:  # noqa: BLE001 - a view's failure must not stop the summary
+                    log.warning("closing the %s failed: %r", name, error)
 
     def clean_up(self) -> None:
         """Remove the launcher's hand-over files (spare releases, their ready marks) and torn progress writes."""
