@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from gasloc_lightning.network.progress import ScriptProgress
+from gasloc_lightning.utils.progress import ScriptProgress
 from gasloc_lightning.sim import GossipRounds, WorkerClocks
 from gasloc_lightning.topology import build_topology
 from sim_runs import describe, run_sim, seeded, time_to_reach, tuned_on

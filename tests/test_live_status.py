@@ -10,7 +10,7 @@ import json
 import pytest
 
 from gasloc_lightning.app.live_status import STATUS_PREFIX, LiveStatus, format_status, status_of
-from gasloc_lightning.network.progress import ScriptProgress
+from gasloc_lightning.utils.progress import ScriptProgress, format_duration
 
 
 def _record(step: int, *, state: str = "running", pid: int = 1, quorum: int | None = 3, sent: float = 0.0,
@@ -126,6 +126,17 @@ def test_a_long_script_says_which_run_of_how_many_its_eta_and_what_is_recorded()
     assert progress.start("b") == "run 3 of 4 (2 done): b | ETA 0:02:00", "2 runs left at 60 s each"
     with pytest.raises(ValueError, match="recorded"):
         ScriptProgress(total=2, recorded=3)
+
+
+def test_a_plan_that_counted_too_few_runs_grows_its_total_and_never_shows_a_negative_eta():
+    clock = _Clock()
+    progress = ScriptProgress(total=2, recorded=2, clock=clock)
+    assert progress.start("extra") == "run 3 of 3 (2 done): extra | ETA -"
+    clock.now = 30.0
+    progress.done()
+    line = progress.start("another")
+    assert line == "run 4 of 4 (3 done): another | ETA 0:00:30", line
+    assert format_duration(-5.0) == "0:00:00"
 
 
 def test_on_a_terminal_the_line_is_redrawn_in_place_and_stays_after_close():

@@ -58,15 +58,11 @@ def workers_table(summary: dict[str, Any]) -> str:
              "| failed collectives |", "|---|---|---|---|---|---|---|---|---|"]
     for row in summary["workers"]:
         loss = "-" if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
-        lines.append(f"| {row['worker']} | {row['status']} | {_dash(row.get('exit_code'))} "
-                     f"| {_dash(row.get('incarnations'))} | {_dash(row.get('applied_steps'))} "
-                     f"| {_dash(row.get('final_step'))} | {loss} | {_dash(row.get('failed_exchanges'))} "
-                     f"| {_dash(row.get('failed_collectives'))} |")
+        lines.append(f"| {row['worker']} | {row['status']} | {dash(row.get('exit_code'))} "
+                     f"| {dash(row.get('incarnations'))} | {dash(row.get('applied_steps'))} "
+                     f"| {dash(row.get('final_step'))} | {loss} | {dash(row.get('failed_exchanges'))} "
+                     f"| {dash(row.get('failed_collectives'))} |")
     return "\n".join(lines)
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 def compare_elastic(run_dir: str | Path, out_dir: str | Path, plots: bool = True) -> tuple[str, Path, list[Path]]:

@@ -53,8 +53,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
-from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
+from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, PROGRESS_FILE, read_progress, ready_file
 from gasloc_lightning.app.live_status import LiveStatus, as_int
+from gasloc_lightning.utils.records import dash
 from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard, tensorboard_nodes
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
@@ -698,7 +699,7 @@ class ElasticRun:
     def clean_up(self) -> None:
         """Remove the launcher's hand-over files (spare releases, their ready marks) and torn progress writes."""
         for record in self.workers:
-            for pattern in ("release.*", "progress.*.tmp"):
+            for pattern in ("release.*", f"{PROGRESS_FILE}.*.partial"):
                 for path in record.output_dir.glob(pattern):
                     path.unlink(missing_ok=True)
 
@@ -795,14 +796,10 @@ def print_table(summary: dict[str, Any]) -> None:
           f"{'val_loss':>9} {'failed x/c':>10}")
     for row in summary["workers"]:
         loss = "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
-        failed = f"{_dash(row['failed_exchanges'])}/{_dash(row['failed_collectives'])}"
+        failed = f"{dash(row['failed_exchanges'])}/{dash(row['failed_collectives'])}"
         print(f"{row['worker']:>6} {row['status']:>8} {str(row['exit_code']):>5} {row['applied_steps']:>8} "
               f"{str(row['final_step']):>10} {','.join(map(str, row['joined'])):>12} "
               f"{','.join(map(str, row['left'])):>12} {loss:>9} {failed:>10}", flush=True)
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 # ------------------------------------------------------------------ worker configs

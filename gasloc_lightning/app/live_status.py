@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from gasloc_lightning.network.progress import format_duration
+from gasloc_lightning.utils.progress import format_duration
+from gasloc_lightning.utils.records import dash
 
 STATUS_PREFIX = "status: "
 
@@ -147,15 +148,11 @@ def format_status(status: RunStatus, elapsed_s: float | None = None) -> str:
     slowest = "-" if status.slowest_step is None else status.slowest_step
     elapsed = "" if elapsed_s is None else f" | elapsed {format_duration(elapsed_s)}"
     return (f"{STATUS_PREFIX}step {status.furthest_step}/{status.max_steps} (slowest {slowest}) "
-            f"| ETA {format_duration(status.eta_s)} | quorum {_dash(status.quorum_size)} ({status.live_workers} live) "
+            f"| ETA {format_duration(status.eta_s)} | quorum {dash(status.quorum_size)} ({status.live_workers} live) "
             f"| val loss {_number(status.val_loss, '.4g')} "
             f"| consensus distance {_number(status.consensus_distance, '.3g')} "
             f"| failed exchanges {status.failed_exchanges} "
             f"| in {_bytes_per_s(status.bytes_in_per_s)} out {_bytes_per_s(status.bytes_out_per_s)}{elapsed}")
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 def _number(value: float | None, spec: str) -> str:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from gasloc_lightning.network.progress import ScriptProgress
+from gasloc_lightning.utils.progress import ScriptProgress
+from gasloc_lightning.utils.records import write_json_atomically
 from gasloc_lightning.strategies.launcher import terminate
 
 RECORD_FILE = "run.json"  # in a run's folder once it ended: its command and curve (what a rerun reads back)
@@ -107,16 +107,10 @@ def run_method(name: str, seed: int, steps: int, scale: float, out: Path, reuse:
     if code != 0:
         raise RuntimeError(f"{name} seed {seed} failed ({code}); see {folder}/netlab.log")
     points = curve(folder / "csv" / "metrics.csv")
-    _write_atomically(folder / RECORD_FILE, {"command": command[1:], "curve": points})
+    write_json_atomically(folder / RECORD_FILE, {"command": command[1:], "curve": points}, indent=1)
     if progress is not None:
         progress.done()
     return points
-
-
-def _write_atomically(path: Path, record: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(partial, path)
 
 
 def planned_progress(seeds: list[int], methods: list[str], steps: int, scale: float, out: Path,
