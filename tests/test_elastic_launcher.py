@@ -98,7 +98,7 @@ def _assert_nothing_left(pids: list[int], run_dir: Path, in_process: bool = True
     assert pids, "the launcher recorded no process"
     alive = [pid for pid in pids if _ours(pid)]
     assert not alive, f"processes started by the launcher are still running: {alive}"
-    leftovers = [p for pattern in ("release.*", "*.tmp") for p in run_dir.rglob(pattern)]
+    leftovers = [p for pattern in ("release.*", "*.partial") for p in run_dir.rglob(pattern)]
     assert not leftovers, f"the launcher left hand-over files behind: {leftovers}"
     if in_process:
         held = []
