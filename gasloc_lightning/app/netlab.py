@@ -254,13 +254,15 @@ def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fa
 
 def _log_links(meter: LinkMeter, series: LauncherSeries, step: int) -> None:
     """With logger=tensorboard, each link's measured throughput goes to the launcher's series (read from the
-    links' tc counters every ``elastic.status_every_s``); a failed read is logged and skipped, never fatal."""
+    links' tc counters every ``elastic.status_every_s``); a failed read is skipped, never fatal, and logged once
+    (the next failures at debug level: a warning every window would bury the run's output)."""
     if series.log_dir is None:
         return
     try:
         rates = meter.poll()
     except LabError as error:
-        log.warning("netlab: could not read the links' counters: %s", error)
+        level = logging.WARNING if meter.failures == 1 else logging.DEBUG
+        log.log(level, "netlab: could not read the links' counters (skipped while it fails): %s", error)
         return
     if rates is not None:
         series.links(rates, step)
