@@ -129,6 +129,10 @@ def check_netlab(cfg: DictConfig) -> None:
     for key in ("timeout_s", "flap_period_s"):
         if not netlab[key] > 0:
             raise ValueError(f"netlab.{key} must be > 0 seconds, got {netlab[key]!r}")
+    every_s = cfg.elastic.status_every_s  # every mode reads the links' counters (and shows status) this often
+    if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
+        raise ValueError(f"elastic.status_every_s must be > 0 seconds, got {every_s!r} (every mode reads the "
+                         "links' counters this often)")
     if netlab.mode == "train":
         _check_port("netlab.train_port", netlab.train_port, "rank 0's store must listen where the others look")
     if netlab.mode == "elastic":
