@@ -54,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, PROGRESS_FILE, read_progress, ready_file
+from gasloc_lightning.app.compare_elastic import CSV_INCARNATION_PREFIX
 from gasloc_lightning.app.live_status import LiveStatus, as_int
 from gasloc_lightning.utils.records import dash
 from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard, tensorboard_nodes
@@ -450,6 +451,10 @@ class ElasticRun:
         if held:
             env[HOLD_FILE_ENV] = str(hold_file)
         command = [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path)]
+        if record.spawned > 1 and OmegaConf.select(self.cfg, "logger.csv.version", default=None) is not None:
+            # Lightning's CSVLogger deletes the metrics.csv it finds in its folder: a restart (or a spare) writes
+            # its own, csv/incarnation_<k>/metrics.csv, and gasloc-compare reads them all in order
+            command.append(f"logger.csv.version={CSV_INCARNATION_PREFIX}{record.spawned}")
         if founder:  # the worker config says 0, right for a restart
             command.append(f"strategy.first_quorum_delay={self.elastic.first_quorum_delay}")
             if record.resume_from is not None:
