@@ -28,6 +28,10 @@ Usage::
     python benchmarks/at_scale.py --part networks --workers 64 --rounds 6 --inner-steps 10 --out docs/at_scale
 
 Results go to ``<out>/<part>_n<workers>.json`` (``<out>/acceleration.json`` and its plot for ``acceleration``).
+Each run (a ``gasloc-sim`` run, or one graph and n of ``acceleration``) is recorded as it finishes under
+``<out>/runs/<part>_n<workers>/``; before each the script prints ``run k of N (m done): <run> | ETA h:mm:ss``,
+and a rerun of the same command reads back the runs recorded with the same settings instead of running them
+again (an interrupted part resumes where it stopped; delete that folder to start over).
 """
 
 from __future__ import annotations
@@ -37,20 +41,71 @@ import json
 import math
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from gasloc_lightning.network.progress import ScriptProgress
 from gasloc_lightning.sim import GossipRounds, WorkerClocks
 from gasloc_lightning.topology import build_topology
-from sim_runs import describe, run_sim, seeded, time_to_reach, tuned_on
+from gasloc_lightning.utils.progress import ScriptProgress
+from gasloc_lightning.utils.records import write_json_atomically
+import sim_runs
+from sim_runs import describe, seeded, slug, time_to_reach, tuned_on
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024)
 GRAPHS = ("ring", "two_peer", "one_peer", "exponential")
 GAMMAS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998)
 REDUCTION = 1e-3
 REFINEMENTS = 2  # finer gamma searches around the coarse grid's best (see tuned)
+
+
+class RunRecords:
+    """A part's runs, each recorded in ``folder`` as it finishes and read back, not rerun, when a later session
+    asks for the same run with the same settings (the part resumes); and the part's progress lines.
+
+    Args:
+        folder: where the records go (``<out>/runs/<part>_n<workers>``); ``None``: none kept (progress only).
+        total: the runs the part will ask for (its plan; the count grows if the plan was short).
+    """
+
+    def __init__(self, folder: Path | None, total: int) -> None:
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.progress = ScriptProgress(total=total)
+
+    def run(self, key: str, settings: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``'s result for the run named ``key``, recorded with ``settings`` (anything JSON: what makes
+        the run the same run); a record of ``key`` with other settings is run again and replaced."""
+        path = None if self.folder is None else self.folder / f"{slug(key)}.json"
+        if path is not None and path.is_file():
+            record = json.loads(path.read_text())
+            if record.get("settings") == json.loads(json.dumps(settings)):
+                self.progress.done()  # kept from an earlier session: counted, not timed
+                print(f"    {key}: recorded", flush=True)
+                return record["result"]
+        print(self.progress.start(key), flush=True)
+        result = compute()
+        if path is not None:
+            write_json_atomically(path, {"settings": settings, "result": result}, indent=1, default=str)
+        self.progress.done()
+        return json.loads(json.dumps(result, default=str))  # as a resumed session reads it back
+
+    def sim(self, work: Path) -> Callable[..., dict]:
+        """A ``runner`` for :func:`sim_runs.seeded` and :func:`sim_runs.tuned_on` (and a stand-in for
+        :func:`sim_runs.run_sim`) whose runs are recorded, keyed by their folder under ``work``."""
+        def runner(overrides: list[str], out: Path, experiment: str = "demo") -> dict:
+            key = str(out.relative_to(work))
+            return self.run(key, {"overrides": list(overrides), "experiment": experiment},
+                            lambda: sim_runs.run_sim(list(overrides), out, experiment))
+        return runner
+
+
+def _records(out: Path | None, part: str, total: int) -> RunRecords:
+    """The part's records under ``out`` (``None``: none kept, for a call from code)."""
+    return RunRecords(None if out is None else out / "runs" / part, total)
 
 
 def rounds_from_rate(rate: float) -> float:
@@ -116,24 +171,33 @@ def exponent(sizes: list[int], rounds: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pairs) / sum((x - mx) ** 2 for x in xs)
 
 
-def acceleration(sizes: tuple[int, ...]) -> dict:
+def _acceleration_row(graph: str, n: int) -> dict:
+    plain = rounds_from_rate(_rate(graph, n, 0.0, "anchored"))
+    if plain == 1.0 and build_topology(graph).schedule_period(n):  # rate 0: exact after one period
+        plain = float(build_topology(graph).schedule_period(n))
+    row = {"n": n, "plain": plain, "anchored": tuned(graph, n, "anchored"),
+           "post_mix": tuned(graph, n, "post_mix") if graph in ("ring", "exponential") else None}
+    if n <= 64:
+        row["measured_plain"] = measured_rounds(graph, n, 0.0)
+        gamma = row["anchored"]["gamma"]
+        row["measured_anchored"] = None if gamma is None else measured_rounds(graph, n, gamma)
+    return row
+
+
+def acceleration(sizes: tuple[int, ...], out: Path | None = None) -> dict:
     result: dict = {"reduction": REDUCTION, "sizes": list(sizes), "graphs": {}}
+    plan = [(graph, n) for graph in GRAPHS for n in sizes if not (graph == "exponential" and n & (n - 1))]
+    records = _records(out, "acceleration", len(plan))
     for graph in GRAPHS:
         rows = []
         for n in sizes:
-            if graph == "exponential" and n & (n - 1):
+            if (graph, n) not in plan:
                 continue
-            plain = rounds_from_rate(_rate(graph, n, 0.0, "anchored"))
-            if plain == 1.0 and build_topology(graph).schedule_period(n):  # rate 0: exact after one period
-                plain = float(build_topology(graph).schedule_period(n))
-            row = {"n": n, "plain": plain, "anchored": tuned(graph, n, "anchored"),
-                   "post_mix": tuned(graph, n, "post_mix") if graph in ("ring", "exponential") else None}
-            if n <= 64:
-                row["measured_plain"] = measured_rounds(graph, n, 0.0)
-                gamma = row["anchored"]["gamma"]
-                row["measured_anchored"] = None if gamma is None else measured_rounds(graph, n, gamma)
+            row = records.run(f"{graph}_n{n}", {"graph": graph, "n": n, "reduction": REDUCTION,
+                                                "gammas": list(GAMMAS), "refinements": REFINEMENTS},
+                              lambda: _acceleration_row(graph, n))
             rows.append(row)
-            print(graph, n, plain, row["anchored"], row["post_mix"], flush=True)
+            print(graph, n, row["plain"], row["anchored"], row["post_mix"], flush=True)
         ns = [r["n"] for r in rows]
         fits = {"plain": exponent(ns, [r["plain"] for r in rows]),
                 "anchored": exponent(ns, [r["anchored"]["rounds"] for r in rows])}
@@ -202,7 +266,7 @@ def h1_bars(runs: dict[str, dict]) -> list[tuple[str, float, float, int]]:
     return bars
 
 
-def h1(workers: int, steps: int, seeds: tuple[int, ...], tuning_seed: int = 0) -> dict:
+def h1(workers: int, steps: int, seeds: tuple[int, ...], tuning_seed: int = 0, out: Path | None = None) -> dict:
     """Claim (1) at scale: H = 1, gossip against GASLoC with fair partners (see ``_H1_METHODS``), each tuned
     value chosen on ``tuning_seed`` and every method reported on the held-out ``seeds``."""
     if not seeds:
@@ -212,16 +276,20 @@ def h1(workers: int, steps: int, seeds: tuple[int, ...], tuning_seed: int = 0) -
                          f"(e.g. --seeds 1 2 3 with --tuning-seed 0)")
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
     runs, tuning, chosen = {}, {}, {}
+    total = sum(map(len, _H1_TUNING.values())) + len(_H1_METHODS) * len(seeds)
+    records = _records(out, f"h1_n{workers}", total)
     with tempfile.TemporaryDirectory() as tmp:
+        runner = records.sim(Path(tmp))
         for name, extra in _H1_METHODS.items():
             extra = [*extra, *chosen.get(_H1_SAME_AS.get(name), [])]
             if name in _H1_TUNING:
-                best, losses = tuned_on(_H1_TUNING[name], base + extra, Path(tmp) / name, tuning_seed, "paper_h1")
+                best, losses = tuned_on(_H1_TUNING[name], base + extra, Path(tmp) / name, tuning_seed, "paper_h1",
+                                        runner=runner)
                 tuning[name] = {"tuning_seed": tuning_seed, "losses": losses, "chosen": best}
                 chosen[name] = _H1_TUNING[name][best]
                 extra = [*extra, *chosen[name]]
                 print(name, "tuned on seed", tuning_seed, losses, "->", best, flush=True)
-            runs[name] = seeded(base + extra, Path(tmp) / name, seeds, experiment="paper_h1")
+            runs[name] = seeded(base + extra, Path(tmp) / name, seeds, experiment="paper_h1", runner=runner)
             print(describe(name, runs[name]), flush=True)
     return {"workers": workers, "steps": steps, "tuning_seed": tuning_seed, "seeds": list(seeds), "tuning": tuning,
             "runs": runs}
@@ -237,14 +305,15 @@ def _scaled_network(name: str, workers: int) -> list[str]:
             f"network.speeds=[{','.join(map(str, speeds))}]"]
 
 
-def networks(workers: int, rounds: int, inner_steps: int) -> dict:
+def networks(workers: int, rounds: int, inner_steps: int, out: Path | None = None) -> dict:
     """Simulated time to reach DiLoCo's final loss on scaled two_clusters and cloud_mix networks.
 
     DiLoCo runs ``rounds`` rounds; GASLoC gets 1.5x its steps, validating every round.
     """
     result: dict = {"workers": workers, "rounds": rounds, "inner_steps": inner_steps, "networks": {}}
-    progress = ScriptProgress(total=2 * 3)  # 2 networks x 3 methods (recorded together at the end)
+    records = _records(out, f"networks_n{workers}", 2 * 3)  # 2 networks x 3 methods
     with tempfile.TemporaryDirectory() as tmp:
+        runner = records.sim(Path(tmp))
         for network in ("two_clusters", "cloud_mix"):
             base = [f"sim.workers={workers}", f"inner_steps={inner_steps}", f"trainer.val_check_interval={inner_steps}",
                     *_scaled_network(network, workers)]
@@ -260,9 +329,7 @@ def networks(workers: int, rounds: int, inner_steps: int) -> dict:
             }
             runs = {}
             for name, extra in methods.items():
-                print(progress.start(f"{network} {name}"), flush=True)
-                runs[name] = run_sim(base + extra, Path(tmp) / f"{network}_{name}")
-                progress.done()
+                runs[name] = runner(base + extra, Path(tmp) / f"{network}_{name}")
                 print(network, name, runs[name]["val_loss"], runs[name]["trace"][-1], flush=True)
             target = runs["diloco"]["val_loss"]
             reference = time_to_reach(runs["diloco"]["trace"], target)
@@ -274,26 +341,32 @@ def networks(workers: int, rounds: int, inner_steps: int) -> dict:
     return result
 
 
-def quality(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
+def quality(workers: int, steps: int, seeds: tuple[int, ...], out: Path | None = None) -> dict:
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
     runs = {}
+    records = _records(out, f"quality_n{workers}", 5 * len(seeds))
     with tempfile.TemporaryDirectory() as tmp:
+        runner = records.sim(Path(tmp))
         for name, extra in (("diloco", ["strategy=diloco"]), ("one_peer", ["strategy=gasloc", "topology=one_peer"]),
                             ("two_peer", ["strategy=gasloc", "topology=two_peer"]),
                             ("ring", ["strategy=gasloc", "topology=ring"]),
                             ("exponential", ["strategy=gasloc", "topology=exponential"])):
-            runs[name] = seeded(base + extra, Path(tmp) / name, seeds)
+            runs[name] = seeded(base + extra, Path(tmp) / name, seeds, runner=runner)
             print(describe(name, runs[name]), flush=True)
     return {"workers": workers, "steps": steps, "seeds": list(seeds), "runs": runs}
 
 
-def churn(workers: int, steps: int, seeds: tuple[int, ...]) -> dict:
+def churn(workers: int, steps: int, seeds: tuple[int, ...], out: Path | None = None) -> dict:
     base = [f"sim.workers={workers}", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
             "strategy=gasloc", "topology=one_peer", "sim.mean_downtime_rounds=3", "sim.min_live=2"]
     runs = {}
+    fractions = (0.0, 0.05, 0.1, 0.2)
+    records = _records(out, f"churn_n{workers}", len(fractions) * len(seeds))
     with tempfile.TemporaryDirectory() as tmp:
-        for fraction in (0.0, 0.05, 0.1, 0.2):
-            runs[str(fraction)] = seeded(base + [f"sim.down_fraction={fraction}"], Path(tmp) / str(fraction), seeds)
+        runner = records.sim(Path(tmp))
+        for fraction in fractions:
+            runs[str(fraction)] = seeded(base + [f"sim.down_fraction={fraction}"], Path(tmp) / str(fraction), seeds,
+                                         runner=runner)
             print(describe(f"{fraction:.0%} down", runs[str(fraction)]), flush=True)
     return {"workers": workers, "steps": steps, "seeds": list(seeds), "runs": runs}
 
@@ -383,19 +456,19 @@ def main() -> None:
         plot_summary(args.out, args.out / "at_scale.png")
         return
     if args.part == "acceleration":
-        result = acceleration(tuple(n for n in SIZES if n <= args.max_n))
+        result = acceleration(tuple(n for n in SIZES if n <= args.max_n), args.out)
         plot_acceleration(result, args.out / "acceleration.png")
     elif args.part == "quality":
-        result = quality(args.workers, args.steps, tuple(args.seeds))
+        result = quality(args.workers, args.steps, tuple(args.seeds), args.out)
     elif args.part == "h1":
         try:
-            result = h1(args.workers, args.steps, tuple(args.seeds), args.tuning_seed)
+            result = h1(args.workers, args.steps, tuple(args.seeds), args.tuning_seed, args.out)
         except ValueError as error:  # h1 checks its seeds before any run
             parser.error(str(error))
     elif args.part == "networks":
-        result = networks(args.workers, args.rounds, args.inner_steps)
+        result = networks(args.workers, args.rounds, args.inner_steps, args.out)
     else:
-        result = churn(args.workers, args.steps, tuple(args.seeds))
+        result = churn(args.workers, args.steps, tuple(args.seeds), args.out)
     name = args.part if args.part == "acceleration" else f"{args.part}_n{args.workers}"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 

@@ -51,7 +51,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gasloc_lightning.app.config import config_dir
 from gasloc_lightning.app.elastic import free_port, run_elastic
-from gasloc_lightning.network.progress import ScriptProgress
+from gasloc_lightning.utils.progress import ScriptProgress
 from gasloc_lightning.app.summary import SUMMARY_FILE
 from gasloc_lightning.app.train import train
 

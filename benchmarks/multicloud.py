@@ -45,7 +45,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -53,7 +52,8 @@ from pathlib import Path
 
 from sim_runs import SimRunError, run_sim, slug, time_to_reach
 
-from gasloc_lightning.network.progress import ScriptProgress
+from gasloc_lightning.utils.progress import ScriptProgress
+from gasloc_lightning.utils.records import write_json_atomically
 
 SCENARIOS = ("two_clusters", "cloud_mix", "many_sites", "jitter", "preemption")
 TARGET_STEPS_SHARE = 1.0 / 1.5  # the target is plain DiLoCo's loss at 2/3 of every run's steps
@@ -402,9 +402,7 @@ def tuned_choices(out: Path, tuned_from: int, scenarios: tuple[str, ...], method
 
 def _write(path: Path, record: dict) -> None:
     """Replace ``path`` whole: an interrupted write leaves the previous record, not a truncated one."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    os.replace(partial, path)
+    write_json_atomically(path, record, indent=2, default=str)
 
 
 def check_noise_draws(scenarios: tuple[str, ...], seeds: tuple[int, ...]) -> None:

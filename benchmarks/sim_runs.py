@@ -13,6 +13,7 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 Trace = list[tuple[int, float, float | None]]
@@ -79,10 +80,13 @@ def time_to_reach(trace: Trace, target: float) -> float | None:
     return None
 
 
-def seeded(overrides: list[str], out: Path, seeds: tuple[int, ...], experiment: str = "demo") -> dict:
+def seeded(overrides: list[str], out: Path, seeds: tuple[int, ...], experiment: str = "demo", *,
+           runner: Callable[..., dict] | None = None) -> dict:
     """One configuration on every seed: the mean and sample sd of the final loss, and each seed's run
-    (with its trace under ``traces``)."""
-    return summarized(overrides, {seed: run_sim([*overrides, f"seed={seed}"], out / f"seed{seed}", experiment)
+    (with its trace under ``traces``). ``runner``: what runs one (default :func:`run_sim`; a script that records
+    each run to resume from passes its own)."""
+    runner = runner or run_sim
+    return summarized(overrides, {seed: runner([*overrides, f"seed={seed}"], out / f"seed{seed}", experiment)
                                   for seed in seeds})
 
 
@@ -102,9 +106,11 @@ def summarized(overrides: list[str], runs: dict[int, dict]) -> dict:
 
 
 def tuned_on(grid: dict[str, list[str]], base: list[str], out: Path, seed: int,
-             experiment: str = "demo") -> tuple[str, dict[str, float]]:
-    """The grid point (label) with the lowest final loss on ``seed``, the tuning seed, and every point's loss."""
-    losses = {label: run_sim([*base, *extra, f"seed={seed}"], out / slug(f"tune_{label}"), experiment)["val_loss"]
+             experiment: str = "demo", *, runner: Callable[..., dict] | None = None) -> tuple[str, dict[str, float]]:
+    """The grid point (label) with the lowest final loss on ``seed``, the tuning seed, and every point's loss
+    (``runner``: as :func:`seeded`'s)."""
+    runner = runner or run_sim
+    losses = {label: runner([*base, *extra, f"seed={seed}"], out / slug(f"tune_{label}"), experiment)["val_loss"]
               for label, extra in grid.items()}
     return min(losses, key=losses.get), losses
 

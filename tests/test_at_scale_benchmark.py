@@ -118,3 +118,31 @@ def test_h1_tunes_on_its_seed_and_reports_the_held_out_seeds_with_fair_partners(
 
 def _value(overrides: list[str], prefix: str, default=None) -> str:
     return next((o[len(prefix):] for o in overrides if o.startswith(prefix)), default)
+
+
+def test_a_part_says_which_run_of_how_many_records_each_and_resumes_from_the_records(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def stand_in(overrides, out, experiment="demo"):  # gasloc-sim's result for a run, without the process
+        if len(calls) == 3 and not (tmp_path / "interrupted").exists():
+            (tmp_path / "interrupted").touch()
+            raise KeyboardInterrupt  # the session is interrupted during its fourth run
+        calls.append(list(overrides))
+        return {"overrides": overrides, "val_loss": 3.0 + 0.1 * len(calls), "goodput": 1.0, "wall_time_s": 1.0,
+                "bytes_sent": 10, "outer_momentum": None, "trace": [[1, 3.0, 0.5]], "also_traces": {}}
+
+    monkeypatch.setattr(sys.modules["sim_runs"], "run_sim", stand_in)
+    with pytest.raises(KeyboardInterrupt):
+        at_scale.churn(4, 2, (0, 1), out=tmp_path)
+    first = capsys.readouterr().out
+    assert "run 1 of 8 (0 done): 0.0/seed0 | ETA -" in first and "run 4 of 8 (3 done)" in first, first
+    assert len(calls) == 3
+    resumed = at_scale.churn(4, 2, (0, 1), out=tmp_path)
+    second = capsys.readouterr().out
+    assert len(calls) == 8, "the three recorded runs were read back, the five others run"
+    assert "0.0/seed0: recorded" in second and "run 4 of 8 (3 done): 0.05/seed1" in second, second
+    assert sorted(resumed["runs"]) == ["0.0", "0.05", "0.1", "0.2"]
+    again = at_scale.churn(4, 2, (0, 1), out=tmp_path)
+    assert len(calls) == 8 and again == resumed, "everything recorded: nothing runs, the same result"
+    at_scale.churn(4, 3, (0, 1), out=tmp_path)  # other settings (steps) are other runs
+    assert len(calls) == 16

@@ -68,7 +68,7 @@ def _assert_nothing_left(summary: dict, run_dir: Path) -> None:
     host, _, port = summary["lighthouse"].rpartition(":")
     with socket.socket() as probe:
         assert probe.connect_ex((host, int(port))) != 0, "the lighthouse's port still accepts connections"
-    leftovers = [path for pattern in ("release.*", "*.tmp") for path in run_dir.rglob(pattern)]
+    leftovers = [path for pattern in ("release.*", "*.partial") for path in run_dir.rglob(pattern)]
     assert not leftovers, leftovers
 
 

@@ -98,7 +98,7 @@ def _assert_nothing_left(pids: list[int], run_dir: Path, in_process: bool = True
     assert pids, "the launcher recorded no process"
     alive = [pid for pid in pids if _ours(pid)]
     assert not alive, f"processes started by the launcher are still running: {alive}"
-    leftovers = [p for pattern in ("release.*", "*.tmp") for p in run_dir.rglob(pattern)]
+    leftovers = [p for pattern in ("release.*", "*.partial") for p in run_dir.rglob(pattern)]
     assert not leftovers, f"the launcher left hand-over files behind: {leftovers}"
     if in_process:
         held = []
@@ -441,3 +441,29 @@ def test_a_restart_after_the_leaver_exited_but_before_it_was_reaped_still_counts
     row = run.summary()["workers"][0]
     assert row["incarnations"] == 2
     assert (row["joined"], row["left"], row["applied_steps"]) == ([0, 12], [10, 20], 18)
+
+
+def test_a_view_that_fails_to_close_still_lets_stop_end_every_worker(tmp_path):
+    """``head`` closing the launcher's pipe, or a full disk under the event files, makes closing the live line or the
+    TensorBoard series raise: the workers must be stopped anyway (and stop() return, so the summary is written)."""
+    cfg = _compose(["elastic.workers=1", "elastic.min_workers=1", "elastic.lighthouse=127.0.0.1:1"])
+    cfg.output_dir = str(tmp_path)
+    run = ElasticRun(cfg)
+    record = run._write_worker_config(0)
+    run.workers = [record]
+    release = record.output_dir / "release.never"  # the stand-in waits for it: it runs until stopped
+    record.process = _stand_in(record.output_dir, {"state": "running", "step": 1}, wait_for=release)
+
+    class Broken:
+        def close(self):
+            raise BrokenPipeError("the reader went away")
+
+    run.live, run.series = Broken(), Broken()
+    try:
+        run.stop()
+        assert record.process.poll() is not None, "the worker was stopped although the views failed to close"
+        assert record.ended_by == "stopped"
+    finally:
+        if record.process.poll() is None:
+            record.process.kill()
+            record.process.wait()

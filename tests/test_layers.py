@@ -16,6 +16,7 @@ PACKAGE = Path(gasloc_lightning.__file__).parent
 
 # Bottom to top; a module may import its own layer and those below it.
 LAYERS = [
+    {"utils"},  # a script's progress, atomic JSON records: pure Python every layer may use
     {"algorithm"},
     {"topology", "network"},
     {"comm"},
@@ -26,7 +27,7 @@ LAYERS = [
     {"netlab"},  # sites as network namespaces; runs the apps' workers in them as processes, never imports the app
     {"app"},
 ]
-MATH_LAYERS = {"algorithm", "topology", "network", "comm"}
+MATH_LAYERS = {"utils", "algorithm", "topology", "network", "comm"}
 
 
 def layer_of(subpackage: str) -> int:

@@ -5,11 +5,12 @@ nothing waits)."""
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
 from gasloc_lightning.app.live_status import STATUS_PREFIX, LiveStatus, format_status, status_of
-from gasloc_lightning.network.progress import ScriptProgress
+from gasloc_lightning.utils.progress import ScriptProgress, format_duration
 
 
 def _record(step: int, *, state: str = "running", pid: int = 1, quorum: int | None = 3, sent: float = 0.0,
@@ -127,6 +128,17 @@ def test_a_long_script_says_which_run_of_how_many_its_eta_and_what_is_recorded()
         ScriptProgress(total=2, recorded=3)
 
 
+def test_a_plan_that_counted_too_few_runs_grows_its_total_and_never_shows_a_negative_eta():
+    clock = _Clock()
+    progress = ScriptProgress(total=2, recorded=2, clock=clock)
+    assert progress.start("extra") == "run 3 of 3 (2 done): extra | ETA -"
+    clock.now = 30.0
+    progress.done()
+    line = progress.start("another")
+    assert line == "run 4 of 4 (3 done): another | ETA 0:00:30", line
+    assert format_duration(-5.0) == "0:00:00"
+
+
 def test_on_a_terminal_the_line_is_redrawn_in_place_and_stays_after_close():
     pytest.importorskip("rich")
     import os
@@ -174,3 +186,22 @@ def test_the_readme_figure_is_rendered_from_a_runs_event_files(tmp_path):
     assert found == {"launcher/quorum_size": {"launcher": [(10, 4.0), (20, 3.0)]}}, "only the series logged"
     view.main([str(board), "--out", str(tmp_path / "view.png"), "--tags", "launcher/quorum_size"])
     assert (tmp_path / "view.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("record", [
+    [1, 2], "running", 3, None,
+    {"state": "running", "step": "abc", "pid": [1], "quorum_size": {"a": 1}, "val_loss": "x",
+     "consensus_distance": [0.1], "failed_exchanges": "many", "bytes_sent": "lots", "bytes_received": None},
+    {"state": ["running"], "step": True, "pid": {"x": 1}},
+])
+def test_a_record_of_the_wrong_shape_reads_as_unknown_and_never_stops_the_launcher(tmp_path, record):
+    from gasloc_lightning.app.elastic_worker import PROGRESS_FILE, read_progress
+
+    (tmp_path / PROGRESS_FILE).write_text(json.dumps(record))
+    read = read_progress(tmp_path)
+    assert read is None or isinstance(read, dict), "only a JSON object is a record"
+    good = _record(7, val_loss=2.5)
+    first = status_of({0: record, 1: good}, max_steps=10, now=0.0)
+    later = status_of({0: record, 1: {**good, "step": 9}}, max_steps=10, now=1.0, previous=first)
+    assert later.furthest_step == 9 and later.val_loss == 2.5, "the good worker's figures are still read"
+    format_status(later, elapsed_s=1.0)

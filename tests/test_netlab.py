@@ -294,6 +294,8 @@ class _MustNotBuild(lab_module.Lab):
     (["netlab.timeout_s=0"], "netlab.timeout_s"),
     (["netlab.flap_period_s=0"], "netlab.flap_period_s"),
     (["netlab.mode=train", "netlab.train_port=0"], "netlab.train_port"),
+    (["netlab.mode=train", "elastic.status_every_s=0"], "elastic.status_every_s"),
+    (["netlab.mode=clock", "elastic.status_every_s=-1"], "elastic.status_every_s"),
     (["netlab.faults=[partition:1@40:15,flap:1@40:5]"], "partition:1@40:15' and 'flap:1@40:5"),
     (["elastic.min_workers=9"], "elastic.min_workers"),  # gasloc-elastic's own checks, before the lab too
 ])

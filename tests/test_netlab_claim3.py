@@ -60,3 +60,15 @@ def test_a_record_of_other_settings_is_not_read_back(tmp_path, monkeypatch):
     (tmp_path / "seed0" / "diloco" / "csv").rmdir()
     claim3.main(["--seeds", "0", "--steps", "30", "--methods", "diloco", "--out", str(tmp_path)])
     assert ran == ["diloco", "diloco"], "a run of 20 steps was read back for 30"
+
+
+def test_a_run_recorded_under_another_spelling_of_the_same_folder_is_still_recorded(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    relative = Path("runs")
+    command = claim3.run_command("diloco", 0, 20, 1.0, relative)
+    folder = claim3.run_folder(relative, "diloco", 0)
+    folder.mkdir(parents=True)
+    (folder / claim3.RECORD_FILE).write_text(json.dumps({"command": command[1:], "curve": [[1, 0.5, 3.0]]}))
+    absolute = tmp_path / "runs"  # the same folder, named absolutely by a later session
+    assert claim3.recorded(claim3.run_folder(absolute, "diloco", 0),
+                           claim3.run_command("diloco", 0, 20, 1.0, absolute)) == [(1, 0.5, 3.0)]

@@ -69,3 +69,24 @@ def test_the_links_throughput_is_a_launcher_series_in_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("launcher/link_0_to_1_mbit_s")] == [(10, 4.0), (20, 3.0)]
     assert [(e.step, e.value) for e in events.Scalars("launcher/link_1_to_0_mbit_s")] == [(10, 0.5), (20, 0.25)]
     LauncherSeries(None).links({(0, 1): 1.0}, 1)  # no TensorBoard: nothing, no error
+
+
+def test_a_failed_read_waits_for_the_next_window_and_is_warned_once(tmp_path, caplog):
+    from gasloc_lightning.app.netlab import _log_links
+    from gasloc_lightning.netlab.shell import LabError
+
+    counters, reads = _Counters(), []
+
+    def failing(site: int) -> dict[int, int]:
+        reads.append(counters.now)
+        raise LabError("`tc ...` did not run: timed out")
+
+    meter = LinkMeter(sites=2, read=failing, every_s=5.0, clock=counters.clock)
+    series = type("Series", (), {"log_dir": str(tmp_path), "links": lambda self, rates, step: None})()
+    with caplog.at_level("DEBUG", logger="gasloc_lightning.app.netlab"):
+        for now in (0.0, 0.2, 0.4, 4.8, 5.0, 5.2, 10.0):  # the launcher polls every 0.2 s
+            counters.now = now
+            _log_links(meter, series, 0)
+    assert reads == [0.0, 5.0, 10.0], "one read per window of every_s, not one per poll"
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "counters" in r.getMessage()]
+    assert len(warnings) == 1, warnings

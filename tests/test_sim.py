@@ -265,3 +265,28 @@ def test_each_validation_logs_the_spread_across_the_replicas_to_csv_and_tensorbo
     events.Reload()
     assert [e.step for e in events.Scalars("spread/val_loss_max")] == [1, 3]
     assert [e.step for e in events.Scalars("comm/consensus_distance")] == [1, 3]
+
+
+def test_a_refused_config_leaves_no_tensorboard_event_file(corpus, tmp_path):
+    cfg = _compose(corpus, tmp_path, ["topology=exponential", "sim.workers=6", "logger=tensorboard"])
+    board = sim_app.tensorboard_dir(cfg)
+    assert board is not None
+    with pytest.raises(ValueError, match="no valid 'exponential' topology"):
+        sim_app.simulate(cfg)
+    assert not list(tmp_path.rglob("events.out.tfevents.*")), "the refused run left an empty TensorBoard run"
+
+
+def test_the_tables_and_the_launchers_tensorboard_rows_are_flushed_within_seconds(tmp_path):
+    from gasloc_lightning.app.run_tensorboard import LauncherSeries
+    from omegaconf import OmegaConf
+
+    table = sim_app.MetricsTable(tmp_path / "sim")
+    table(1, {"val/loss": 3.0})
+    assert table._writer.flush_secs <= 10, "TensorBoard's default 120 s would lag a live run by minutes"
+    table._writer.close()
+    cfg = OmegaConf.create({"output_dir": str(tmp_path), "elastic": {"status_every_s": 2.0},
+                            "logger": {"tb": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger"}}})
+    series = LauncherSeries.for_run(cfg)
+    series.event("a", 1)
+    assert series.flush_s == 2.0 and series._writer.flush_secs == 2.0
+    series.close()

@@ -1,7 +1,8 @@
 """``gasloc-compare <elastic or netlab run folder>``: the workers of one elastic run, side by side.
 
 An elastic run folder (``gasloc-elastic`` or ``gasloc-netlab``'s elastic mode) holds ``elastic_summary.json`` and
-one ``worker_<W>`` folder per worker, each with its own ``csv/metrics.csv``. This writes into ``out_dir``:
+one ``worker_<W>`` folder per worker, each with its own ``csv/metrics.csv`` (and ``csv/incarnation_<k>/metrics.csv``
+for each process the launcher started again in that slot). This writes into ``out_dir``:
 
 - ``workers.md``: per worker, its status, exit code, incarnations, applied and final steps, final consensus
   validation loss and failed exchanges and collectives (from ``elastic_summary.json``);
@@ -18,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gasloc_lightning.utils.records import dash
+
 ELASTIC_SUMMARY = "elastic_summary.json"  # the launcher's (gasloc_lightning.app.elastic.ELASTIC_SUMMARY_FILE)
 WORKERS_TABLE = "workers.md"
+CSV_INCARNATION_PREFIX = "incarnation_"  # worker_<W>/csv/incarnation_<k>: the CSV log of the worker's k-th process
 
 
 @dataclass
@@ -35,11 +39,24 @@ def is_elastic_run(path: str | Path) -> bool:
     return (Path(path) / ELASTIC_SUMMARY).is_file()
 
 
-def read_worker_series(metrics_csv: Path) -> WorkerSeries:
-    """The series of one worker's ``metrics.csv`` (empty when it wrote none)."""
+def worker_csvs(worker_dir: Path) -> list[Path]:
+    """A worker's ``metrics.csv`` files, its first process's then each later one's (``csv/incarnation_<k>``: a
+    restart or a released spare; Lightning's CSVLogger would have deleted the earlier file), in order."""
+    later = sorted(worker_dir.glob(f"csv/{CSV_INCARNATION_PREFIX}*/metrics.csv"),
+                   key=lambda path: int(path.parent.name.removeprefix(CSV_INCARNATION_PREFIX) or 0))
+    return [path for path in (worker_dir / "csv" / "metrics.csv", *later) if path.is_file()]
+
+
+def read_worker_series(*metrics_csvs: Path) -> WorkerSeries:
+    """The series of one worker's ``metrics.csv`` files, in order (empty when it wrote none)."""
     series = WorkerSeries()
-    if not metrics_csv.is_file():
-        return series
+    for metrics_csv in metrics_csvs:
+        if metrics_csv.is_file():
+            _read_into(series, metrics_csv)
+    return series
+
+
+def _read_into(series: WorkerSeries, metrics_csv: Path) -> None:
     with metrics_csv.open(newline="") as handle:
         for row in csv.DictReader(handle):
             step = row.get("step")
@@ -49,7 +66,6 @@ def read_worker_series(metrics_csv: Path) -> WorkerSeries:
                                    ("comm/failed_exchanges", series.failed_exchanges)):
                 if row.get(column):
                     values.append((int(float(step)), float(row[column])))
-    return series
 
 
 def workers_table(summary: dict[str, Any]) -> str:
@@ -58,15 +74,11 @@ def workers_table(summary: dict[str, Any]) -> str:
              "| failed collectives |", "|---|---|---|---|---|---|---|---|---|"]
     for row in summary["workers"]:
         loss = "-" if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
-        lines.append(f"| {row['worker']} | {row['status']} | {_dash(row.get('exit_code'))} "
-                     f"| {_dash(row.get('incarnations'))} | {_dash(row.get('applied_steps'))} "
-                     f"| {_dash(row.get('final_step'))} | {loss} | {_dash(row.get('failed_exchanges'))} "
-                     f"| {_dash(row.get('failed_collectives'))} |")
+        lines.append(f"| {row['worker']} | {row['status']} | {dash(row.get('exit_code'))} "
+                     f"| {dash(row.get('incarnations'))} | {dash(row.get('applied_steps'))} "
+                     f"| {dash(row.get('final_step'))} | {loss} | {dash(row.get('failed_exchanges'))} "
+                     f"| {dash(row.get('failed_collectives'))} |")
     return "\n".join(lines)
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 def compare_elastic(run_dir: str | Path, out_dir: str | Path, plots: bool = True) -> tuple[str, Path, list[Path]]:
@@ -79,7 +91,7 @@ def compare_elastic(run_dir: str | Path, out_dir: str | Path, plots: bool = True
     summary = json.loads((run / ELASTIC_SUMMARY).read_text())
     out.mkdir(parents=True, exist_ok=True)
     table = workers_table(summary)
-    series = {row["worker"]: read_worker_series(run / f"worker_{row['worker']}" / "csv" / "metrics.csv")
+    series = {row["worker"]: read_worker_series(*worker_csvs(run / f"worker_{row['worker']}"))
               for row in summary["workers"]}
     written = _plots(series, summary.get("quorum_history") or [], out) if plots else []
     figures = "".join(f"\n![{p.stem}]({p.name})" for p in written)

@@ -52,8 +52,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
-from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, read_progress, ready_file
-from gasloc_lightning.app.live_status import LiveStatus
+from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, PROGRESS_FILE, read_progress, ready_file
+from gasloc_lightning.app.compare_elastic import CSV_INCARNATION_PREFIX
+from gasloc_lightning.app.live_status import LiveStatus, as_int
+from gasloc_lightning.utils.records import dash
 from gasloc_lightning.app.run_tensorboard import LauncherSeries, place_worker_tensorboard, tensorboard_nodes
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, model_groups, raise_if_split
 from gasloc_lightning.app.summary import SUMMARY_FILE
@@ -458,6 +460,10 @@ class ElasticRun:
         if held:
             env[HOLD_FILE_ENV] = str(hold_file)
         command = [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path)]
+        if record.spawned > 1 and OmegaConf.select(self.cfg, "logger.csv.version", default=None) is not None:
+            # Lightning's CSVLogger deletes the metrics.csv it finds in its folder: a restart (or a spare) writes
+            # its own, csv/incarnation_<k>/metrics.csv, and gasloc-compare reads them all in order
+            command.append(f"logger.csv.version={CSV_INCARNATION_PREFIX}{record.spawned}")
         if founder:  # the worker config says 0, right for a restart
             command.append(f"strategy.first_quorum_delay={self.elastic.first_quorum_delay}")
             if record.resume_from is not None:
@@ -550,7 +556,7 @@ class ElasticRun:
 
     def furthest_step(self) -> int:
         """The furthest training step any running worker has reported."""
-        steps = [record.progress().get("step") or 0 for record in self.workers if record.running]
+        steps = [as_int(record.progress().get("step")) or 0 for record in self.workers if record.running]
         return max(steps, default=0)
 
     def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
@@ -616,9 +622,9 @@ class ElasticRun:
             return
         record.exit_code = record.process.returncode
         progress = record.final = record.progress()
-        record.applied += int(progress.get("applied") or 0)
+        record.applied += as_int(progress.get("applied")) or 0
         record.joined.append(progress.get("first_step"))
-        own_step = int(progress.get("step") or 0)
+        own_step = as_int(progress.get("step")) or 0
         record.left.append(own_step if left_at is None else left_at)
         record.exit_steps.append(own_step)
         if progress.get("state") == "left":
@@ -639,7 +645,7 @@ class ElasticRun:
                 record.stalled_until = record.stalled_until_step = None
 
     def _report_quorum(self, step: int) -> None:
-        sizes = [record.progress().get("quorum_size") for record in self.workers if record.running]
+        sizes = [as_int(record.progress().get("quorum_size")) for record in self.workers if record.running]
         sizes = [size for size in sizes if size]
         if not sizes:
             return
@@ -691,22 +697,29 @@ class ElasticRun:
 
     def stop(self) -> None:
         """Stop every process this launcher started and that still runs, by pid: the workers and held spares first
-        (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round)."""
-        self.live.close()  # the last status line stays; what follows prints below it
-        self.series.close()
-        running = [record for record in self.workers if record.running]
-        for record in running:
-            record.ended_by = record.ended_by or "stopped"
-        spares = [record.spare for record in self.workers if record.spare is not None]
-        terminate([record.process for record in running] + spares, _STOP_GRACE_S)
-        self._reap()
-        if self.lighthouse is not None:
-            terminate([self.lighthouse], _STOP_GRACE_S)
+        (SIGCONT, SIGTERM, then SIGKILL), the lighthouse last (the workers may still be committing their round).
+        The live line and the TensorBoard series are closed after, each on its own: a closed pipe or a full disk
+        there must not leave a process running nor skip the run's summary."""
+        try:
+            running = [record for record in self.workers if record.running]
+            for record in running:
+                record.ended_by = record.ended_by or "stopped"
+            spares = [record.spare for record in self.workers if record.spare is not None]
+            terminate([record.process for record in running] + spares, _STOP_GRACE_S)
+            self._reap()
+            if self.lighthouse is not None:
+                terminate([self.lighthouse], _STOP_GRACE_S)
+        finally:
+            for name, view in (("live status", self.live), ("TensorBoard series", self.series)):
+                try:
+                    view.close()  # the last status line stays; the summary table prints below it
+                except Exception as error:  # noqa: BLE001 - a view's failure must not stop the summary
+                    log.warning("closing the %s failed: %r", name, error)
 
     def clean_up(self) -> None:
         """Remove the launcher's hand-over files (spare releases, their ready marks) and torn progress writes."""
         for record in self.workers:
-            for pattern in ("release.*", "progress.*.tmp"):
+            for pattern in ("release.*", f"{PROGRESS_FILE}.*.partial"):
                 for path in record.output_dir.glob(pattern):
                     path.unlink(missing_ok=True)
 
@@ -803,14 +816,10 @@ def print_table(summary: dict[str, Any]) -> None:
           f"{'val_loss':>9} {'failed x/c':>10}")
     for row in summary["workers"]:
         loss = "-" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
-        failed = f"{_dash(row['failed_exchanges'])}/{_dash(row['failed_collectives'])}"
+        failed = f"{dash(row['failed_exchanges'])}/{dash(row['failed_collectives'])}"
         print(f"{row['worker']:>6} {row['status']:>8} {str(row['exit_code']):>5} {row['applied_steps']:>8} "
               f"{str(row['final_step']):>10} {','.join(map(str, row['joined'])):>12} "
               f"{','.join(map(str, row['left'])):>12} {loss:>9} {failed:>10}", flush=True)
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 # ------------------------------------------------------------------ worker configs

@@ -41,6 +41,7 @@ from gasloc_lightning.data import ByteDataModule
 from gasloc_lightning.comm.membership import RunEndedError, SurplusWorkerError
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy, ElasticLeave
 from gasloc_lightning.strategies.launcher import exit_with_parent
+from gasloc_lightning.utils.records import write_json_atomically
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,16 @@ HOLD_FILE_ENV = "GASLOC_ELASTIC_HOLD_FILE"
 
 def write_progress(output_dir: str | os.PathLike, record: dict[str, Any]) -> None:
     """Replace ``progress.json`` atomically (the launcher may read it at any moment)."""
-    path = Path(output_dir) / PROGRESS_FILE
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    write_json_atomically(Path(output_dir) / PROGRESS_FILE, record)
 
 
 def read_progress(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The worker's last record; ``None`` when there is none, it is torn, or it is not a JSON object."""
     try:
-        return json.loads((Path(output_dir) / PROGRESS_FILE).read_text())
+        record = json.loads((Path(output_dir) / PROGRESS_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 class SharedValidationData(ByteDataModule):

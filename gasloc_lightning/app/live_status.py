@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from gasloc_lightning.network.progress import format_duration
+from gasloc_lightning.utils.progress import format_duration
+from gasloc_lightning.utils.records import dash
 
 STATUS_PREFIX = "status: "
 
@@ -65,13 +66,17 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
     """
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps!r}")
+    # A record is whatever a worker's file held: anything that is not a dict, or a field of the wrong type, reads
+    # as unknown (a hostile or torn record must not stop the launcher that is supervising the run)
+    progress = {w: (r if isinstance(r, Mapping) else {}) for w, r in progress.items()}
     live = {w: r for w, r in progress.items() if r.get("state") in ("running", "starting")}
     finished = {w: r for w, r in progress.items() if r.get("state") in ("done", "left")}
-    steps = [int(r.get("step") or 0) for r in progress.values() if r]
-    live_steps = [int(r.get("step") or 0) for r in live.values()]
+    steps = [as_int(r.get("step")) or 0 for r in progress.values() if r]
+    live_steps = [as_int(r.get("step")) or 0 for r in live.values()]
     furthest = max(steps, default=0)
     latest = _latest(progress.values())
-    totals = {(w, r.get("pid")): (float(r.get("bytes_sent") or 0.0), float(r.get("bytes_received") or 0.0))
+    totals = {(w, str(r.get("pid"))): (as_float(r.get("bytes_sent")) or 0.0,
+                                       as_float(r.get("bytes_received")) or 0.0)
               for w, r in live.items()}
     origin = origin or (previous.origin if previous is not None else None)
     if origin is None and furthest > 0:
@@ -79,10 +84,10 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
     slowest = min(live_steps, default=None)
     return RunStatus(
         time=now, max_steps=max_steps, furthest_step=furthest, slowest_step=slowest, live_workers=len(live),
-        quorum_size=max((int(r["quorum_size"]) for r in (live or finished).values() if r.get("quorum_size")),
+        quorum_size=max((size for r in (live or finished).values() if (size := as_int(r.get("quorum_size")))),
                         default=None),  # with no live worker: the last quorum the finished ones saw
         val_loss=latest("val_loss"), consensus_distance=latest("consensus_distance"),
-        failed_exchanges=sum(int(r.get("failed_exchanges") or 0) for r in progress.values()),
+        failed_exchanges=sum(as_int(r.get("failed_exchanges")) or 0 for r in progress.values()),
         bytes_out_per_s=_rate(totals, previous, now, 0), bytes_in_per_s=_rate(totals, previous, now, 1),
         eta_s=_eta(origin, now, furthest, max_steps, slowest), origin=origin, totals=totals,
     )
@@ -90,11 +95,31 @@ def status_of(progress: Mapping[Any, Mapping[str, Any]], *, max_steps: int, now:
 
 def _latest(records: Any) -> Callable[[str], float | None]:
     """The value of a key in the record of the furthest worker that has one (the freshest consensus figure)."""
-    ordered = sorted((r for r in records if r), key=lambda r: int(r.get("step") or 0), reverse=True)
+    ordered = sorted((r for r in records if r), key=lambda r: as_int(r.get("step")) or 0, reverse=True)
 
     def value(key: str) -> float | None:
-        return next((float(r[key]) for r in ordered if r.get(key) is not None), None)
+        return next((number for r in ordered if (number := as_float(r.get(key))) is not None), None)
     return value
+
+
+def as_int(value: Any) -> int | None:
+    """An integer field of a worker's record; ``None`` when absent or not a number (a record is read from a file)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return int(value)
+    except (ValueError, OverflowError):
+        return None
+
+
+def as_float(value: Any) -> float | None:
+    """A real field of a worker's record; ``None`` when absent or not a finite-or-infinite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
 
 
 def _rate(totals: Mapping[Any, tuple[float, float]], previous: RunStatus | None, now: float,
@@ -123,15 +148,11 @@ def format_status(status: RunStatus, elapsed_s: float | None = None) -> str:
     slowest = "-" if status.slowest_step is None else status.slowest_step
     elapsed = "" if elapsed_s is None else f" | elapsed {format_duration(elapsed_s)}"
     return (f"{STATUS_PREFIX}step {status.furthest_step}/{status.max_steps} (slowest {slowest}) "
-            f"| ETA {format_duration(status.eta_s)} | quorum {_dash(status.quorum_size)} ({status.live_workers} live) "
+            f"| ETA {format_duration(status.eta_s)} | quorum {dash(status.quorum_size)} ({status.live_workers} live) "
             f"| val loss {_number(status.val_loss, '.4g')} "
             f"| consensus distance {_number(status.consensus_distance, '.3g')} "
             f"| failed exchanges {status.failed_exchanges} "
             f"| in {_bytes_per_s(status.bytes_in_per_s)} out {_bytes_per_s(status.bytes_out_per_s)}{elapsed}")
-
-
-def _dash(value: Any) -> str:
-    return "-" if value is None else str(value)
 
 
 def _number(value: float | None, spec: str) -> str:

@@ -129,6 +129,10 @@ def check_netlab(cfg: DictConfig) -> None:
     for key in ("timeout_s", "flap_period_s"):
         if not netlab[key] > 0:
             raise ValueError(f"netlab.{key} must be > 0 seconds, got {netlab[key]!r}")
+    every_s = cfg.elastic.status_every_s  # every mode reads the links' counters (and shows status) this often
+    if isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or not every_s > 0:
+        raise ValueError(f"elastic.status_every_s must be > 0 seconds, got {every_s!r} (every mode reads the "
+                         "links' counters this often)")
     if netlab.mode == "train":
         _check_port("netlab.train_port", netlab.train_port, "rank 0's store must listen where the others look")
     if netlab.mode == "elastic":
@@ -254,13 +258,15 @@ def _elastic(cfg: DictConfig, elastic_cfg: DictConfig, lab: Lab, faults: list[Fa
 
 def _log_links(meter: LinkMeter, series: LauncherSeries, step: int) -> None:
     """With logger=tensorboard, each link's measured throughput goes to the launcher's series (read from the
-    links' tc counters every ``elastic.status_every_s``); a failed read is logged and skipped, never fatal."""
+    links' tc counters every ``elastic.status_every_s``); a failed read is skipped, never fatal, and logged once
+    (the next failures at debug level: a warning every window would bury the run's output)."""
     if series.log_dir is None:
         return
     try:
         rates = meter.poll()
     except LabError as error:
-        log.warning("netlab: could not read the links' counters: %s", error)
+        level = logging.WARNING if meter.failures == 1 else logging.DEBUG
+        log.log(level, "netlab: could not read the links' counters (skipped while it fails): %s", error)
         return
     if rates is not None:
         series.links(rates, step)

@@ -40,10 +40,16 @@ class LauncherSeries:
 
     Args:
         log_dir: the launcher's run folder (``None``: log nothing).
+        flush_s: the most seconds a logged value waits in memory before it reaches the event file (> 0;
+            TensorBoard's own default, 120 s, would keep a live run's launcher series minutes behind its status
+            line: :meth:`for_run` takes ``elastic.status_every_s``).
     """
 
-    def __init__(self, log_dir: str | Path | None) -> None:
+    def __init__(self, log_dir: str | Path | None, *, flush_s: float = 5.0) -> None:
+        if not flush_s > 0:
+            raise ValueError(f"flush_s must be > 0, got {flush_s!r}")
         self.log_dir = None if log_dir is None else Path(log_dir)
+        self.flush_s = flush_s
         self._writer: Any = None
         self._events = 0
         self._last_step: int | None = None
@@ -52,13 +58,15 @@ class LauncherSeries:
     def for_run(cls, cfg: DictConfig) -> LauncherSeries:
         """Logs to ``<output_dir>/tensorboard/launcher`` when ``cfg`` has a TensorBoard logger, else nothing."""
         wanted = bool(tensorboard_nodes(cfg))
-        return cls(Path(cfg.output_dir) / TENSORBOARD_DIR / LAUNCHER_RUN if wanted else None)
+        every_s = (cfg.get("elastic") or {}).get("status_every_s") or 5.0
+        return cls(Path(cfg.output_dir) / TENSORBOARD_DIR / LAUNCHER_RUN if wanted else None, flush_s=float(every_s))
 
     def _write(self) -> Any:
         if self._writer is None and self.log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # only runs that ask for TensorBoard import it
 
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            # SummaryWriter checks its flush period against a float clock: a fraction of a second is fine
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=self.flush_s)
         return self._writer
 
     def status(self, status: RunStatus) -> None:

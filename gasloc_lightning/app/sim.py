@@ -48,6 +48,7 @@ from gasloc_lightning.sim import (ChurnSchedule, CohortReplicas, DiLoCoRounds, G
 from gasloc_lightning.topology import build_topology
 
 log = logging.getLogger(__name__)
+_FLUSH_S = 5.0  # the most seconds a TensorBoard row waits in memory (the default, 120 s, lags a live run)
 
 METRICS_CSV = "csv/metrics.csv"
 
@@ -105,14 +106,16 @@ class MetricsTable:
 
     def __init__(self, tensorboard_dir: Path | None = None) -> None:
         self.rows: dict[int, dict[str, float]] = {}
-        self._writer: Any = None
-        if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter  # only runs that ask for TensorBoard import it
-
-            self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
+        self.tensorboard_dir = tensorboard_dir
+        self._writer: Any = None  # opened at the first row: a config build() refuses leaves no event file
 
     def __call__(self, step: int, row: dict[str, float]) -> None:
         self.rows.setdefault(step, {}).update(row)
+        if self._writer is None and self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter  # only runs that ask for TensorBoard import it
+
+            # rows come at each validation: flushed within seconds, not TensorBoard's default 120 s
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), flush_secs=_FLUSH_S)
         if self._writer is not None:
             for name, value in row.items():
                 self._writer.add_scalar(name, float(value), step)

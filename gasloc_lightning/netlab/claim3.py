@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from gasloc_lightning.network.progress import ScriptProgress
+from gasloc_lightning.utils.progress import ScriptProgress
+from gasloc_lightning.utils.records import write_json_atomically
 from gasloc_lightning.strategies.launcher import terminate
 
 RECORD_FILE = "run.json"  # in a run's folder once it ended: its command and curve (what a rerun reads back)
@@ -84,9 +84,19 @@ def recorded(folder: Path, command: list[str], reuse: bool = False) -> list[tupl
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
-    if record.get("command") != command[1:]:
+    if _normalized(record.get("command") or []) != _normalized(command[1:]):
         return None
     return [tuple(point) for point in record["curve"]]
+
+
+_PATH_KEYS = ("output_dir=", "hydra.run.dir=")
+
+
+def _normalized(arguments: list[str]) -> list[str]:
+    """A command's arguments with its folders resolved: ``--out runs`` and ``--out ./runs`` (or an absolute path
+    to the same folder) name the same runs."""
+    return [next((key + str(Path(arg[len(key):]).resolve()) for key in _PATH_KEYS if arg.startswith(key)), arg)
+            for arg in arguments]
 
 
 def run_method(name: str, seed: int, steps: int, scale: float, out: Path, reuse: bool = False,
@@ -107,16 +117,10 @@ def run_method(name: str, seed: int, steps: int, scale: float, out: Path, reuse:
     if code != 0:
         raise RuntimeError(f"{name} seed {seed} failed ({code}); see {folder}/netlab.log")
     points = curve(folder / "csv" / "metrics.csv")
-    _write_atomically(folder / RECORD_FILE, {"command": command[1:], "curve": points})
+    write_json_atomically(folder / RECORD_FILE, {"command": command[1:], "curve": points}, indent=1)
     if progress is not None:
         progress.done()
     return points
-
-
-def _write_atomically(path: Path, record: dict[str, Any]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(partial, path)
 
 
 def planned_progress(seeds: list[int], methods: list[str], steps: int, scale: float, out: Path,

@@ -265,7 +265,6 @@ def class_of_site(site: int) -> str:
     return f"1:{10 + site:x}"
 
 
-
 def _queue_bytes(mbit: float) -> int:
     """A class's queue: ``_QUEUE_S`` of its rate, at least ``_QUEUE_MIN_BYTES``."""
     return max(_QUEUE_MIN_BYTES, int(mbit * 1e6 / 8 * _QUEUE_S))

@@ -17,6 +17,7 @@ from gasloc_lightning.netlab.lab import SITE_DEVICE, Lab, class_of_site
 from gasloc_lightning.netlab.shell import run
 
 Link = tuple[int, int]  # (from site, to site)
+READ_TIMEOUT_S = 2.0  # one site's counters: the launcher's watch loop waits on it, so a hung tc must not hold it
 _CLASS_SENT = re.compile(r"^class htb (\S+) [^\n]*\n\s*Sent (\d+) bytes", re.MULTILINE)
 
 
@@ -27,7 +28,8 @@ def class_bytes(text: str) -> dict[str, int]:
 
 def site_link_bytes(lab: Lab, site: int) -> dict[int, int]:
     """Bytes ``site`` has sent to each other site over its shaped link so far: ``{other site: bytes}``."""
-    sent = class_bytes(run("tc", "-n", lab.site_namespace(site), "-s", "class", "show", "dev", SITE_DEVICE))
+    sent = class_bytes(run("tc", "-n", lab.site_namespace(site), "-s", "class", "show", "dev", SITE_DEVICE,
+                           timeout_s=READ_TIMEOUT_S))
     return {other: sent.get(class_of_site(other), 0) for other in range(lab.plan.sites) if other != site}
 
 
@@ -50,6 +52,8 @@ class LinkMeter:
             raise ValueError(f"every_s must be > 0, got {every_s!r}")
         self.sites, self.every_s, self._read, self._clock = sites, float(every_s), read, clock
         self._previous: tuple[float, dict[Link, int]] | None = None
+        self._next_read: float | None = None  # no read before then, failed or not
+        self.failures = 0  # reads that raised (the caller warns at the first)
 
     @classmethod
     def of_lab(cls, lab: Lab, every_s: float = 5.0) -> LinkMeter:
@@ -57,11 +61,17 @@ class LinkMeter:
 
     def poll(self) -> dict[Link, float] | None:
         """Each link's Mbit/s since the previous read, if ``every_s`` has passed since it (else None; the first
-        read only starts the window)."""
+        read only starts the window). A read that raises is not tried again before ``every_s`` has passed either:
+        a broken or hung ``tc`` costs the caller's loop one read per window, not one per poll."""
         now = self._clock()
-        if self._previous is not None and now - self._previous[0] < self.every_s:
+        if self._next_read is not None and now < self._next_read:
             return None
-        counts = {(a, b): int(sent) for a in range(self.sites) for b, sent in self._read(a).items()}
+        self._next_read = now + self.every_s
+        try:
+            counts = {(a, b): int(sent) for a in range(self.sites) for b, sent in self._read(a).items()}
+        except Exception:
+            self.failures += 1
+            raise
         previous, self._previous = self._previous, (now, counts)
         if previous is None:
             return None

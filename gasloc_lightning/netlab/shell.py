@@ -35,11 +35,12 @@ def check_can_build() -> None:
             raise LabError(f"the lab needs iproute2's `{tool}` on PATH")
 
 
-def run(*args: str, check: bool = True) -> str:
-    """Run one iproute2 command (``run("ip", "netns", "add", name)``); its stdout, or LabError with its stderr."""
+def run(*args: str, check: bool = True, timeout_s: float = 30.0) -> str:
+    """Run one iproute2 command (``run("ip", "netns", "add", name)``); its stdout, or LabError with its stderr
+    (also when it runs past ``timeout_s``)."""
     log.debug("netlab: %s", " ".join(args))
     try:
-        result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+        result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout_s)
     except (subprocess.TimeoutExpired, OSError) as error:
         raise LabError(f"`{' '.join(args)}` did not run: {error}") from None
     if check and result.returncode != 0:

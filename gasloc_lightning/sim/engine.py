@@ -57,7 +57,8 @@ class Simulator:
         inner_steps: steps per round: H, or max_i H_i with cohorts.
         max_steps: optimizer steps per worker.
         val_check_interval: validate every this many steps (None: only at the end).
-        consensus_every: measure the consensus distance every this many rounds (0: never).
+        consensus_every: measure the consensus distance every this many rounds (0: not between validations;
+            every validation measures it anyway, with the replicas' spread).
         churn: the leave/join schedule (None: every worker stays).
         progress_every: print progress every this many rounds (0: never).
         metrics: receives ``(step, {name: value})`` rows, as a Lightning logger would.

@@ -1,8 +1,8 @@
 """Progress of a long script made of runs (a benchmark, the lab's claim): which run of how many, its ETA, and
 what is already recorded; and the ``H:MM:SS`` form of a duration the launchers' live status shares.
 
-Pure Python, no torch and no Lightning. It sits in the lowest layer that deals in time (the simulated clock's),
-so every layer above may import it: the lab's ``netlab.claim3``, the app's live status, and the benchmarks.
+Pure Python, no torch and no Lightning. It sits in ``utils``, below every layer, so each may import it: the
+lab's ``netlab.claim3``, the app's live status, and the benchmarks.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 
 def format_duration(seconds: float | None) -> str:
-    """``H:MM:SS`` (``-``: not known yet)."""
+    """``H:MM:SS`` (``-``: not known yet; a negative duration, an estimate overtaken, shows as ``0:00:00``)."""
     if seconds is None:
         return "-"
-    whole = int(round(seconds))
+    whole = max(0, int(round(seconds)))
     return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
@@ -24,7 +24,8 @@ class ScriptProgress:
 
     The ETA is the mean duration of the runs this session finished times the runs left (runs kept from an
     earlier session's record cost nothing and are not timed). A script that resumes from its record passes
-    how many of its runs that record already holds as ``recorded``.
+    how many of its runs that record already holds as ``recorded``. A plan that counted too few runs does not
+    print ``run 4 of 2``: the total grows to the runs recorded plus the one starting.
 
     Args:
         total: the runs the script will have recorded at its end (kept ones included), >= 0.
@@ -42,7 +43,8 @@ class ScriptProgress:
     def start(self, label: str) -> str:
         """The line that announces the next run (``label``: what it is); times it until :meth:`done`."""
         self._started = self._clock()
-        left = self.total - self.recorded
+        self.total = max(self.total, self.recorded + 1)  # the plan counted too few: this run is one more
+        left = max(0, self.total - self.recorded)
         eta = None if not self._durations else left * sum(self._durations) / len(self._durations)
         return (f"run {self.recorded + 1} of {self.total} ({self.recorded} done): {label} "
                 f"| ETA {format_duration(eta)}")
