@@ -57,6 +57,21 @@ class BandwidthAwareTopologySchema(TopologySchema):
 
 
 @dataclass
+class TwoLevelTopologySchema(TopologySchema):
+    """Regions (from the user's labels, a bandwidth matrix or a clustered network's sizes) and the cross step of the
+    two-level round (``TwoLevelTopology.from_network``; gasloc-sim only for now)."""
+
+    sizes: Optional[list[int]] = None
+    scale_to: Optional[int] = None
+    regions: Optional[list[Any]] = None
+    bandwidth: Any = None  # a bandwidth matrix (a scalar, as a uniform network gives, is ignored)
+    cross_every: int = 4
+    region_topology: str = "one_peer"
+    cross_lr: float = 1.0
+    cross_momentum: float = 0.5
+
+
+@dataclass
 class LocalStepsSchema:
     """Arguments shared by every strategy built on ``LocalStepsStrategy`` (gasloc, diloco, local)."""
 
@@ -273,6 +288,7 @@ _SCHEMAS: dict[tuple[str, str], type] = {
     ("schema/strategy", "ddp"): DDPStrategySchema,
     ("schema/topology", "topology"): TopologySchema,
     ("schema/topology", "bandwidth_aware"): BandwidthAwareTopologySchema,
+    ("schema/topology", "two_level"): TwoLevelTopologySchema,
     ("schema/model", "language_model"): LanguageModelSchema,
     ("schema/model", "hf_language_model"): HFLanguageModelSchema,
     ("schema/optimizer", "adamw"): AdamWSchema,

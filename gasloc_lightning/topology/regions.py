@@ -213,7 +213,7 @@ class TwoLevelTopology(Topology):
         """
         if regions is not None:
             layout: Regions = Regions(list(regions))
-        elif bandwidth is not None:
+        elif bandwidth is not None and not isinstance(bandwidth, numbers.Number):  # a uniform network's scalar: none
             layout = Regions.from_bandwidth(bandwidth)
         elif sizes is not None:
             try:
