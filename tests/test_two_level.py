@@ -235,3 +235,18 @@ def test_bad_arguments_are_refused_by_name():
         TwoLevelRound(torch.zeros(3), rule=TwoLevelRule(), num_regions=0)
     with pytest.raises(ValueError, match="regions"):
         TwoLevelTopology.from_network()
+
+
+def test_the_one_level_strategies_refuse_the_two_level_topology_rather_than_run_the_sketch():
+    """GASLoCStrategy and the elastic strategy would run section 8b's rule on W_t = B C B (divergent for rare
+    crossings): both refuse topology two_level at their configuration check, naming what runs it."""
+    from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
+    from gasloc_lightning.strategies.gasloc import GASLoCStrategy
+
+    topology = TwoLevelTopology([0, 0, 1, 1], cross_every=2)
+    with pytest.raises(ValueError, match="two_level.*gasloc-sim"):
+        GASLoCStrategy(topology=topology, inner_steps=2).check_configuration(4)
+    elastic = ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, min_workers=4, max_workers=4,
+                                    topology=topology, inner_steps=2, secret="test-run-secret")
+    with pytest.raises(ValueError, match="two_level.*gasloc-sim"):
+        elastic.check_configuration(1)

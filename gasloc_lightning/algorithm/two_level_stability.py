@@ -25,16 +25,16 @@ at s = 1 the region momentum is never mixed and decays as gamma_r^K, so the cons
 anchored GASLoC's on the regions' graph at gamma_g, which the topologies' own check covers
 (``TwoLevelTopology.resolve_momentum`` combines both).
 
-Measured (``tests/test_two_level.py`` pins them; lambda in {0, 1/2, 1}, 400 values of s; per-round rates):
+Measured (per-round rates; lambda in {0, 1/2, 1}, s in [0, 0.99] and s = 1; ``docs/algorithm.md`` section 8a):
 
-==============================  ======  ======  ======  ======  ======
-(eta_r, gamma_r, eta_g, gamma_g)  K = 1   K = 2   K = 5   K = 10  K = 20
-==============================  ======  ======  ======  ======  ======
-0.7, 0.9, 1.0, 0.5 (default)    0.947   0.955   0.969   0.976   0.976
-0.7, 0.9, 1.0, 0.0 (hier.)      0.947   0.947   0.947   0.947   0.966
-0.7, 0.9, 0.7, 0.9              1.040   1.023   0.999   0.993   0.990
-0.7, 0.9, 1.0, 0.9              1.040   1.026   1.002   1.002   0.989
-==============================  ======  ======  ======  ======  ======
+================================  =====  =====  =====  =====  =====
+(eta_r, gamma_r, eta_g, gamma_g)  K = 1  K = 2  K = 5  K = 10 K = 20
+================================  =====  =====  =====  =====  =====
+0.7, 0.9, 1.0, 0.5 (default)      0.946  0.955  0.969  0.976  0.976
+0.7, 0.9, 1.0, 0.0 (hier.)        0.945  0.945  0.945  0.945  0.966
+0.7, 0.9, 0.7, 0.9                1.040  1.023  0.999  0.990  0.982
+0.7, 0.9, 1.0, 0.9                1.040  1.026  1.002  1.002  0.989
+================================  =====  =====  =====  =====  =====
 
 So gamma 0.9 at both levels is unstable for small K (at K = 1 it is two Nesterov momenta in series on
 every round), and the defaults (DiLoCo's 0.7 / 0.9 inside, HALoS's 0.5 across, eta_g = 1) are stable
