@@ -65,7 +65,7 @@ def test_ranks_compute_the_simulators_points_and_bytes(region_topology, fresh_po
         sim.communicate(flat, t, list(range(len(LAYOUT))))
     for rank, point, level_bytes in results:
         got = torch.frombuffer(bytearray(point), dtype=torch.float32)
-        torch.testing.assert_close(got, flat[rank], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got, flat[rank], rtol=1e-6, atol=1e-5)  # gloo sums 4 ranks in its order
         assert level_bytes["comm/bytes_region"] == float(sim.bytes_region[rank])  # 7 all-reduces among 2
         assert level_bytes["comm/bytes_cross"] == pytest.approx(float(sim.bytes_cross[rank]), rel=1e-3)  # padding
     assert not torch.allclose(flat[0], flat[1])  # the regions differ between crossings (t = 6 is a region round)
