@@ -124,6 +124,16 @@ class DiLoCoStrategySchema(LocalStepsSchema):
 
 
 @dataclass
+class TwoLevelStrategySchema(LocalStepsSchema):
+    """Two-level GASLoC / hierarchical DiLoCo: the region step's eta_r, gamma_r; the rest is the topology's."""
+
+    _target_: str = "gasloc_lightning.strategies.two_level.TwoLevelStrategy"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    topology: Any = None  # a two_level (or hierarchical) topology node
+
+
+@dataclass
 class DDPStrategySchema:
     """Lightning's DDP: a gradient all-reduce every optimizer step (the dense baseline)."""
 
@@ -286,6 +296,7 @@ _SCHEMAS: dict[tuple[str, str], type] = {
     ("schema/strategy", "gasloc"): GASLoCStrategySchema,
     ("schema/strategy", "diloco"): DiLoCoStrategySchema,
     ("schema/strategy", "ddp"): DDPStrategySchema,
+    ("schema/strategy", "two_level"): TwoLevelStrategySchema,
     ("schema/topology", "topology"): TopologySchema,
     ("schema/topology", "bandwidth_aware"): BandwidthAwareTopologySchema,
     ("schema/topology", "two_level"): TwoLevelTopologySchema,

@@ -114,6 +114,8 @@ class MetricsTable:
 
 def _strategy_kind(cfg: DictConfig) -> str:
     target = cfg.strategy._target_.rsplit(".", 1)[-1]
+    if target == "TwoLevelStrategy":  # its topology node (two_level or hierarchical) selects the two-level rounds
+        return "gasloc"
     if target not in ("GASLoCStrategy", "DiLoCoStrategy"):
         raise ValueError(f"gasloc-sim simulates strategy=gasloc, gossip, local and diloco, not {target}")
     return "diloco" if target == "DiLoCoStrategy" else "gasloc"
@@ -279,11 +281,12 @@ def _two_level_rule(cfg: DictConfig, topology: TwoLevelTopology, churn: Any, per
     """``topology=two_level`` (or ``hierarchical``): the two-level rule, its region step from ``strategy.outer_lr`` /
     ``outer_momentum`` (null: DiLoCo's 0.9), checked for stability; the options it does not take are refused."""
     strategy = cfg.strategy
-    unsupported = {"strategy.overlap": strategy.overlap, "strategy.error_feedback": strategy.get("error_feedback"),
-                   "strategy.message_codec": strategy.message_codec != "float32",
+    unsupported = {"strategy.overlap": strategy.get("overlap", False),
+                   "strategy.error_feedback": strategy.get("error_feedback"),
+                   "strategy.message_codec": strategy.get("message_codec", "float32") != "float32",
                    "strategy.fragments": strategy.get("fragments", 1) != 1, "churn": churn is not None,
                    "per-worker inner_steps": len(set(per_worker)) > 1,
-                   "strategy.outer_form": strategy.outer_form != "anchored"}
+                   "strategy.outer_form": strategy.get("outer_form", "anchored") != "anchored"}
     refused = sorted(name for name, used in unsupported.items() if used)
     if refused:
         raise ValueError(f"topology two_level does not take {refused} yet: its round exchanges float32 whole "
