@@ -250,3 +250,19 @@ def test_the_one_level_strategies_refuse_the_two_level_topology_rather_than_run_
                                     topology=topology, inner_steps=2, secret="test-run-secret")
     with pytest.raises(ValueError, match="two_level.*gasloc-sim"):
         elastic.check_configuration(1)
+
+
+def test_the_two_level_strategy_takes_only_a_two_level_topology_and_checks_its_rule():
+    from gasloc_lightning.strategies.two_level import TwoLevelStrategy
+
+    with pytest.raises(ValueError, match="TwoLevelTopology"):
+        TwoLevelStrategy(topology=OnePeerTopology())
+    unstable = TwoLevelStrategy(topology=TwoLevelTopology([0, 0, 1, 1], cross_every=1, cross_lr=0.7,
+                                                          cross_momentum=0.9))
+    with pytest.raises(ValueError, match="cross_momentum below"):
+        unstable.check_configuration(4)
+    strategy = TwoLevelStrategy(topology=TwoLevelTopology([0, 0, 1, 1], region_topology="complete"), outer_lr=0.5)
+    strategy.check_configuration(4)
+    assert (strategy.outer_lr, strategy.outer_momentum, strategy.cross_mean) == (0.5, 0.9, True)
+    with pytest.raises(Exception, match="world_size 8"):
+        strategy.check_configuration(8)
