@@ -68,7 +68,7 @@ class TwoLevelTopologySchema(TopologySchema):
     cross_every: int = 4
     region_topology: str = "one_peer"
     cross_lr: float = 1.0
-    cross_momentum: float = 0.5
+    cross_momentum: float = 0.0
 
 
 @dataclass
