@@ -23,7 +23,7 @@ Inside a region the members are identical after the first round (the exact avera
 state is the whole state. Random region graphs switch between matchings whose modes differ: there,
 at s = 1 the region momentum is never mixed and decays as gamma_r^K, so the consensus part is the
 anchored GASLoC's on the regions' graph at gamma_g, which the topologies' own check covers
-(``TwoLevelTopology.resolve_momentum`` combines both).
+(``TwoLevelTopology.check_rule`` runs both).
 
 Measured (per-round rates; lambda in {0, 1/2, 1}, s in [0, 0.99] and s = 1; ``docs/algorithm.md`` section 8a):
 
