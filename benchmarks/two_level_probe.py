@@ -21,7 +21,9 @@ from gasloc_lightning.app.config import config_dir
 
 METHODS = {
     "diloco": ["strategy=diloco", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.9"],
-    "two_level": ["strategy=gasloc", "topology=two_level", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.9"],
+    # gamma_g = 0.5 (HALoS's), as measured in docs/algorithm.md 8a; the config's default is 0 since.
+    "two_level": ["strategy=gasloc", "topology=two_level", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.9",
+                  "topology.cross_momentum=0.5"],
     "hierarchical": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
                      "strategy.outer_momentum=0.9"],
 }
