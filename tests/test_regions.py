@@ -238,7 +238,7 @@ def test_bad_two_level_arguments_are_refused_by_name():
     with pytest.raises(TopologyError, match="cross_every"):
         TwoLevelTopology([0, 1], cross_every=0)
     with pytest.raises(TopologyError, match="region_topology"):
-        TwoLevelTopology([0, 1], region_topology="ring")
+        TwoLevelTopology([0, 1], region_topology=3)  # a name ("ring") or a Topology
     with pytest.raises(TopologyError, match="world_size 3"):
         TwoLevelTopology([0, 0, 1, 1]).mixing_matrix(3, 0)
     with pytest.raises(TopologyError, match="sizes"):

@@ -61,6 +61,10 @@ CASES = {
     "overlap": Case(("strategy=gasloc", "topology=one_peer", "overlap=true")),
     "overlap_bf16": Case(("strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.message_codec=bfloat16")),
     "diloco": Case(("strategy=diloco",)),
+    # Two regions of 2 (DiLoCo inside, the cross step after rounds 2: one crossing in 3 rounds): region means on
+    # subgroups and the shard-parallel crossing against the simulator's rows.
+    "two_level": Case(("strategy=two_level", "topology=two_level", "topology.regions=[0,0,1,1]",
+                       "topology.cross_every=2")),
     "local": Case(("strategy=local",)),
     "uneven_h": Case(("strategy=gasloc", "topology=one_peer", "inner_steps=[2,1,2,1]")),  # H_i: cohorts
     # Odd n: one worker sits out each round's matching and keeps its point (and its clock).

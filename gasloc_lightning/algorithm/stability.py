@@ -72,6 +72,10 @@ follows d(t+1) = d(t) - d(t-1) at gamma = 0, a rotation by 60 degrees per round 
 contracts, and momentum makes it grow; only damping beta to 1/4 or so kept it stable, at a
 large cost in consensus speed. ``tests/test_stability.py`` keeps that counterexample.
 
+The two-level round (DiLoCo inside regions, an outer step across them every K rounds) has its own
+linear system, with gradients, in :mod:`gasloc_lightning.algorithm.two_level_stability`; the anchored
+form on the two-level W_t that this module would rate diverges for rare crossings (docs/algorithm.md 8b).
+
 Everything here is pure float64 math on CPU tensors; no process group is involved.
 """
 

@@ -57,6 +57,21 @@ class BandwidthAwareTopologySchema(TopologySchema):
 
 
 @dataclass
+class TwoLevelTopologySchema(TopologySchema):
+    """Regions (from the user's labels, a bandwidth matrix or a clustered network's sizes) and the cross step of the
+    two-level round (``TwoLevelTopology.from_network``; gasloc-sim only for now)."""
+
+    sizes: Optional[list[int]] = None
+    scale_to: Optional[int] = None
+    regions: Optional[list[Any]] = None
+    bandwidth: Any = None  # a bandwidth matrix (a scalar, as a uniform network gives, is ignored)
+    cross_every: int = 4
+    region_topology: str = "one_peer"
+    cross_lr: float = 1.0
+    cross_momentum: float = 0.0
+
+
+@dataclass
 class LocalStepsSchema:
     """Arguments shared by every strategy built on ``LocalStepsStrategy`` (gasloc, diloco, local)."""
 
@@ -109,6 +124,16 @@ class DiLoCoStrategySchema(LocalStepsSchema):
     overlap: bool = False  # fragment_sync_delay 1: each all-reduce runs under one step of compute
     error_feedback: bool = False  # residual kept per worker; the mean is an all-gather of the wires (top-k)
     error_feedback_decay: float = 1.0  # beta on the residual (SparseLoCo: 0.95)
+
+
+@dataclass
+class TwoLevelStrategySchema(LocalStepsSchema):
+    """Two-level GASLoC / hierarchical DiLoCo: the region step's eta_r, gamma_r; the rest is the topology's."""
+
+    _target_: str = "gasloc_lightning.strategies.two_level.TwoLevelStrategy"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    topology: Any = None  # a two_level (or hierarchical) topology node
 
 
 @dataclass
@@ -274,8 +299,10 @@ _SCHEMAS: dict[tuple[str, str], type] = {
     ("schema/strategy", "gasloc"): GASLoCStrategySchema,
     ("schema/strategy", "diloco"): DiLoCoStrategySchema,
     ("schema/strategy", "ddp"): DDPStrategySchema,
+    ("schema/strategy", "two_level"): TwoLevelStrategySchema,
     ("schema/topology", "topology"): TopologySchema,
     ("schema/topology", "bandwidth_aware"): BandwidthAwareTopologySchema,
+    ("schema/topology", "two_level"): TwoLevelTopologySchema,
     ("schema/model", "language_model"): LanguageModelSchema,
     ("schema/model", "hf_language_model"): HFLanguageModelSchema,
     ("schema/optimizer", "adamw"): AdamWSchema,

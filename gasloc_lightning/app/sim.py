@@ -43,9 +43,10 @@ from gasloc_lightning.app.summary import SUMMARY_FILE, SUMMARY_FORMAT, count_rou
 from gasloc_lightning.app.train import check_budget
 from gasloc_lightning.models.lm import warmup_cosine_factor
 from gasloc_lightning.sim import (ChurnSchedule, CohortReplicas, DiLoCoRounds, GossipRounds, ShardedBatches, Simulator,
-                                  StackedReplicas, WorkerClocks, check_memory, estimate_bytes,
+                                  StackedReplicas, TwoLevelRounds, WorkerClocks, check_memory, estimate_bytes,
                                   resolve_outer_momentum, resolve_outer_momentum_for_sizes)
 from gasloc_lightning.topology import build_topology
+from gasloc_lightning.topology.regions import TwoLevelTopology
 
 log = logging.getLogger(__name__)
 _FLUSH_S = 5.0  # the most seconds a TensorBoard row waits in memory (the default, 120 s, lags a live run)
@@ -146,6 +147,8 @@ def tensorboard_dir(cfg: DictConfig) -> Path | None:
 
 def _strategy_kind(cfg: DictConfig) -> str:
     target = cfg.strategy._target_.rsplit(".", 1)[-1]
+    if target == "TwoLevelStrategy":  # its topology node (two_level or hierarchical) selects the two-level rounds
+        return "gasloc"
     if target not in ("GASLoCStrategy", "DiLoCoStrategy"):
         raise ValueError(f"gasloc-sim simulates strategy=gasloc, gossip, local and diloco, not {target}")
     return "diloco" if target == "DiLoCoStrategy" else "gasloc"
@@ -238,8 +241,15 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
     record: dict[str, Any] = {"name": kind, "topology": "complete", "inner_steps": inner_steps,
                               "outer_lr": float(strategy.outer_lr), "outer_form": "nesterov", "engine": "sim"}
     churn = _churn(cfg, network, workers, count_rounds(cfg.trainer.max_steps, inner_steps))
-    if kind == "gasloc":
-        topology = _topology(cfg)
+    topology = _topology(cfg) if kind == "gasloc" else None
+    two_level = _two_level_rule(cfg, topology, churn, per_worker) if isinstance(topology, TwoLevelTopology) else None
+    if two_level is not None:
+        gamma = two_level.region_momentum
+        record.update(name="hierarchical_diloco" if two_level.cross_mean else "two_level", topology=topology.name,
+                      outer_form="two_level", regions=list(topology.regions.sizes),
+                      cross_every=two_level.cross_every, cross_lr=two_level.cross_lr,
+                      cross_momentum=two_level.cross_momentum)
+    elif kind == "gasloc":
         sizes = [workers] if churn is None else sorted({workers, *churn.live_sizes()})
         gamma = resolve_outer_momentum_for_sizes(topology, sizes, strategy.outer_momentum, strategy.outer_form,
                                                  strategy.overlap, strategy.delayed_weight)
@@ -273,8 +283,10 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
         replicas = CohortReplicas(module=model.model, inner_steps=per_worker, optimizer_factory=optimizer,
                                   lr_schedule=schedule, gradient_clip_val=clip)
     clocks = WorkerClocks(network, workers, also=also)
-    if kind == "gasloc":
-        rounds: Any = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
+    if two_level is not None:
+        rounds: Any = TwoLevelRounds(initial=replicas.gather(), topology=topology, rule=two_level, clocks=clocks)
+    elif kind == "gasloc":
+        rounds = GossipRounds(initial=replicas.gather(), topology=topology, outer_lr=strategy.outer_lr,
                                    outer_momentum=gamma, outer_form=strategy.outer_form, overlap=strategy.overlap,
                                    delayed_weight=strategy.delayed_weight, message_codec=strategy.message_codec,
                                    error_feedback=strategy.get("error_feedback", False),
@@ -299,6 +311,26 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
                           max_skipped_rounds=strategy.max_skipped_rounds)
     parts = {"strategy": record, "model": model, "estimated_bytes": estimated, "churn": churn}
     return simulator, parts
+
+
+def _two_level_rule(cfg: DictConfig, topology: TwoLevelTopology, churn: Any, per_worker: list[int]) -> Any:
+    """``topology=two_level`` (or ``hierarchical``): the two-level rule, its region step from ``strategy.outer_lr`` /
+    ``outer_momentum`` (null: DiLoCo's 0.9), checked for stability; the options it does not take are refused."""
+    strategy = cfg.strategy
+    unsupported = {"strategy.overlap": strategy.get("overlap", False),
+                   "strategy.error_feedback": strategy.get("error_feedback"),
+                   "strategy.message_codec": strategy.get("message_codec", "float32") != "float32",
+                   "strategy.fragments": strategy.get("fragments", 1) != 1, "churn": churn is not None,
+                   "per-worker inner_steps": len(set(per_worker)) > 1,
+                   "strategy.outer_form": strategy.get("outer_form", "anchored") != "anchored"}
+    refused = sorted(name for name, used in unsupported.items() if used)
+    if refused:
+        raise ValueError(f"topology two_level does not take {refused} yet: its round exchanges float32 whole "
+                         "models, synchronously, every worker at the same H")
+    momentum = 0.9 if strategy.outer_momentum is None else float(strategy.outer_momentum)
+    rule = topology.rule(region_lr=float(strategy.outer_lr), region_momentum=momentum)
+    topology.check_rule(rule)
+    return rule
 
 
 def _streaming(strategy: DictConfig, inner_steps: int, per_worker: list[int], module: torch.nn.Module,

@@ -35,6 +35,7 @@ from typing_extensions import override
 from gasloc_lightning.strategies.baselines import is_dense_ddp, traffic_bytes_sent
 from gasloc_lightning.strategies.diloco import DiLoCoStrategy
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy, LocalStepsStrategy
+from gasloc_lightning.strategies.two_level import TwoLevelStrategy
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ def describe_strategy(strategy: Any) -> dict[str, Any]:
         return _local_steps(name, strategy.topology.name, strategy, strategy.outer_form)
     if isinstance(strategy, DiLoCoStrategy):
         return _local_steps("diloco", "complete", strategy, "nesterov")
+    if isinstance(strategy, TwoLevelStrategy):
+        name = "hierarchical_diloco" if strategy.cross_mean else "two_level"
+        return _local_steps(name, strategy.topology.name, strategy, "two_level")
     if is_dense_ddp(strategy):
         return {"name": "ddp", "topology": "complete", "inner_steps": 1,
                 "outer_lr": None, "outer_momentum": None, "outer_form": None}

@@ -13,9 +13,10 @@ from gasloc_lightning.sim.data import ShardedBatches
 from gasloc_lightning.sim.engine import Simulator
 from gasloc_lightning.sim.replicas import StackedReplicas, parameter_count
 from gasloc_lightning.sim.rounds import DiLoCoRounds, GossipRounds, WorkerClocks, round_peers
+from gasloc_lightning.sim.two_level import TwoLevelRounds
 
 __all__ = [
     "ChurnEvent", "ChurnSchedule", "CohortReplicas", "DiLoCoRounds", "GossipRounds", "ShardedBatches", "Simulator",
-    "StackedReplicas", "WorkerClocks", "check_memory", "estimate_bytes", "parameter_count",
+    "StackedReplicas", "TwoLevelRounds", "WorkerClocks", "check_memory", "estimate_bytes", "parameter_count",
     "resolve_outer_momentum", "resolve_outer_momentum_for_sizes", "round_peers",
 ]

@@ -51,7 +51,7 @@ class Simulator:
 
     Args:
         replicas: the stacked replicas and their inner optimizer (cohorts of equal H_i when they differ).
-        rounds: the communication round (GASLoC, local, or DiLoCo).
+        rounds: the communication round (GASLoC, local, DiLoCo, or two-level).
         clocks: the workers' simulated clocks (shared with ``rounds``).
         batches: each worker's training batches and the validation windows.
         inner_steps: steps per round: H, or max_i H_i with cohorts.
@@ -197,6 +197,7 @@ class Simulator:
         self.round_index += 1
         row = {"comm/round": float(self.round_index), "comm/bytes_sent": self.bytes_sent_mean,
                "comm/workers_alive": float(len(live))}
+        row.update(getattr(self.rounds, "level_bytes", dict)())  # two-level rounds: each level's bytes
         if self.consensus_every and self.round_index % self.consensus_every == 0:
             self.consensus_distance = self.measure_consensus_distance()
             row["comm/consensus_distance"] = self.consensus_distance

@@ -76,6 +76,7 @@ class GASLoCCallback(Callback):
             "comm/skipped_rounds": float(strategy.skipped_rounds),
             "comm/rejected_exchanges": float(strategy.rejected_exchanges),
         }
+        metrics.update(getattr(strategy, "level_bytes", dict)())  # two-level: comm/bytes_region, comm/bytes_cross
         if strategy.consensus_distance is not None:
             metrics["comm/consensus_distance"] = strategy.consensus_distance
         if strategy.sim_time is not None:

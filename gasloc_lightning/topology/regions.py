@@ -19,7 +19,15 @@ rank-to-rank exchange of shards, all-gather inside): the same result as the matr
 different sizes are allowed; the pairs are then the local indices both regions have, and the mean over
 *ranks* is what is preserved (the mean over regions is not).
 
-Two reductions: with one region, B = (1/n) 1 1^T and C = I, so every round is DiLoCo's all-reduce
+**The round that runs on these regions** is not the anchored form on W_t (the sketch above, kept for its
+algebra: at gamma 0.9 it diverges from K = 5 on, see tests/test_regions.py) but the two-level round of
+:mod:`gasloc_lightning.algorithm.two_level`: DiLoCo inside each region every round, and every K rounds an
+anchored outer step of its own (``cross_lr``, ``cross_momentum``) across regions with this topology's
+region mixing (or, with ``region_topology`` complete, the exact mean over all ranks: hierarchical DiLoCo).
+:meth:`TwoLevelTopology.rule` and :meth:`TwoLevelTopology.check_rule` give it and its stability;
+``resolve_momentum`` (what a one-level engine calls) refuses the topology.
+
+Two reductions of the matrices: with one region, B = (1/n) 1 1^T and C = I, so every round is DiLoCo's all-reduce
 mean; with one worker per region, B = I and B C B = C, so the cross rounds are GASLoC on the regions'
 topology and the region rounds are rounds without exchange (W = I; with K = 1 there are none).
 
@@ -38,8 +46,15 @@ import torch
 from torch import Tensor
 
 from gasloc_lightning.topology.bandwidth_aware import _clusters_from_bandwidth
+from gasloc_lightning.algorithm.two_level import TwoLevelRule
+from gasloc_lightning.algorithm.two_level_stability import max_stable_cross_momentum, two_level_rate
+from gasloc_lightning.network.model import scaled_sizes
 from gasloc_lightning.topology.base import _DTYPE, Topology, TopologyError, _is_index
 from gasloc_lightning.topology.random_graphs import OnePeerTopology
+from gasloc_lightning.topology.registry import build_topology
+
+#: lambdas of the region mixing the two-level stability check covers (any PSD region graph lies in [0, 1]).
+_CHECKED_EIGENVALUES = tuple(k / 10 for k in range(11))
 
 _SYMMETRY_TOL = 1e-12
 
@@ -159,7 +174,9 @@ class TwoLevelTopology(Topology):
     Args:
         regions: the region of every rank (a :class:`Regions`, or the labels it takes).
         cross_every: K >= 1, the rounds per cross round.
-        region_topology: the mixing between regions (a :class:`Topology` on r ranks); default ``one_peer``.
+        region_topology: the mixing between regions (a :class:`Topology` on r ranks, or its name); default
+            ``one_peer``. ``complete``: the cross step is the exact mean over all ranks (hierarchical DiLoCo).
+        cross_lr, cross_momentum: eta_g and gamma_g of the two-level round's cross step (see :meth:`rule`).
         seed: the seed of the default region topology (a given topology keeps its own).
     """
 
@@ -167,8 +184,11 @@ class TwoLevelTopology(Topology):
     time_varying = True
 
     def __init__(self, regions: Regions | Sequence[Hashable], *, cross_every: int = 1,
-                 region_topology: Topology | None = None, seed: int = 0) -> None:
+                 region_topology: Topology | str | None = None, cross_lr: float = 1.0,
+                 cross_momentum: float = 0.5, seed: int = 0) -> None:
         super().__init__(seed=seed)
+        if isinstance(region_topology, str):
+            region_topology = build_topology(region_topology, seed=seed)
         self._regions = regions if isinstance(regions, Regions) else Regions(regions)
         if not _is_index(cross_every) or cross_every < 1:
             raise TopologyError(f"cross_every (K) must be an int >= 1, got {cross_every!r}")
@@ -179,6 +199,64 @@ class TwoLevelTopology(Topology):
         self._cross_every = int(cross_every)
         self._region_topology = OnePeerTopology(seed=seed) if region_topology is None else region_topology
         self._region_topology.check_world_size(self._regions.num_regions)
+        TwoLevelRule(cross_lr=cross_lr, cross_momentum=cross_momentum)  # refused here, by name, when out of range
+        self.cross_lr, self.cross_momentum = float(cross_lr), float(cross_momentum)
+
+    @classmethod
+    def from_network(cls, *, sizes: Sequence[int] | None = None, scale_to: int | None = None,
+                     regions: Sequence[Hashable] | None = None, bandwidth: Sequence[Sequence[float]] | None = None,
+                     cross_every: int = 1, region_topology: Topology | str = "one_peer", cross_lr: float = 1.0,
+                     cross_momentum: float = 0.5, seed: int = 0) -> TwoLevelTopology:
+        """The regions from the user (``regions``: a label per rank, host names are fine), else a bandwidth matrix's
+        clusters of fast links, else a clustered network's ``sizes`` (scaled to ``scale_to`` ranks as the network
+        scales them). The other arguments are the class's.
+        """
+        if regions is not None:
+            layout: Regions = Regions(list(regions))
+        elif bandwidth is not None and not isinstance(bandwidth, numbers.Number):  # a uniform network's scalar: none
+            layout = Regions.from_bandwidth(bandwidth)
+        elif sizes is not None:
+            try:
+                layout = Regions.from_sizes(scaled_sizes(list(sizes), scale_to) if scale_to is not None else sizes)
+            except ValueError as error:
+                raise TopologyError(str(error)) from None
+        else:
+            raise TopologyError("two_level needs regions: give topology.regions (a region label per rank), "
+                                "topology.bandwidth, or a clustered network (network=two_clusters, cloud_mix, many_sites)")
+        return cls(layout, cross_every=cross_every, region_topology=region_topology, cross_lr=cross_lr,
+                   cross_momentum=cross_momentum, seed=seed)
+
+    def rule(self, *, region_lr: float, region_momentum: float) -> TwoLevelRule:
+        """The two-level round's hyperparameters: the region step's (the strategy's outer_lr / outer_momentum)
+        and this topology's cross step."""
+        return TwoLevelRule(cross_every=self._cross_every, region_lr=region_lr, region_momentum=region_momentum,
+                            cross_lr=self.cross_lr, cross_momentum=self.cross_momentum,
+                            cross_mean=self._region_topology.uses_all_reduce)
+
+    def check_rule(self, rule: TwoLevelRule) -> float:
+        """Refuse a two-level rule that does not converge on quadratics; returns its per-round rate.
+
+        Two checks: the period map's spectral radius for every region mixing eigenvalue in [0, 1]
+        (:func:`~gasloc_lightning.algorithm.two_level_stability.two_level_rate`), and, for a gossip across more
+        than two regions, the region topology's own consensus check at gamma_g (its matchings switch).
+        """
+        rate = two_level_rate(rule, eigenvalues=_CHECKED_EIGENVALUES)
+        if rate >= 1.0:
+            limit = max_stable_cross_momentum(rule, eigenvalues=_CHECKED_EIGENVALUES)
+            raise ValueError(f"the two-level round diverges on quadratics (rate {rate:.4f} per round) with region "
+                             f"(outer_lr, outer_momentum) = ({rule.region_lr}, {rule.region_momentum}), cross_every "
+                             f"{rule.cross_every}, cross (lr, momentum) = ({rule.cross_lr}, {rule.cross_momentum}): "
+                             f"lower cross_momentum below {limit:.3f} or the region momentum")
+        r = self._regions.num_regions
+        if r > 1 and not rule.cross_mean:
+            self._region_topology.resolve_momentum(r, rule.cross_momentum)
+        return rate
+
+    def resolve_momentum(self, world_size: int, requested: float | None, form: str = "anchored",
+                         overlap: bool = False, *, delayed_weight: float = 1.0) -> float:
+        """Refused: a one-level engine would run the anchored form on W_t, which diverges for rare crossings."""
+        raise ValueError("topology two_level runs the two-level round (algorithm/two_level.py), which gasloc-sim "
+                         "runs; the multi-process and elastic strategies do not wire it yet")
 
     def __repr__(self) -> str:
         return (f"TwoLevelTopology(regions={self._regions!r}, cross_every={self._cross_every}, "

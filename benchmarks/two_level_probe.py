@@ -1,0 +1,73 @@
+"""A smoke probe of the two-level round in gasloc-sim: does it train? Not a comparison of methods.
+
+Runs DiLoCo, two-level GASLoC and hierarchical DiLoCo on the demo (tiny GPT, stdlib corpus) with n workers on
+network=two_clusters, a few seeds, and prints each run's final consensus loss, simulated time and bytes per
+worker at each level. Short runs on one budget say nothing about which method wins (issue 31's protocol does).
+
+    python benchmarks/two_level_probe.py --workers 16 --steps 100 --seeds 0 1 --out /tmp/two_level_probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from gasloc_lightning.app import sim as sim_app
+from gasloc_lightning.app.config import config_dir
+
+METHODS = {
+    "diloco": ["strategy=diloco", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.9"],
+    # gamma_g = 0.5 (HALoS's), as measured in docs/algorithm.md 8a; the config's default is 0 since.
+    "two_level": ["strategy=gasloc", "topology=two_level", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.9",
+                  "topology.cross_momentum=0.5"],
+    "hierarchical": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
+                     "strategy.outer_momentum=0.9"],
+}
+
+
+def run(method: str, seed: int, args: argparse.Namespace) -> dict:
+    out = args.out / f"{method}_seed{seed}"
+    overrides = ["experiment=demo", "network=two_clusters", f"sim.workers={args.workers}", f"seed={seed}",
+                 f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
+                 f"inner_steps={args.inner_steps}", "sim.progress_every=0", f"sim.threads={args.threads}",
+                 f"output_dir={out}", *METHODS[method]]
+    if method != "diloco":
+        overrides.append(f"topology.cross_every={args.cross_every}")
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("sim/app", overrides=overrides)
+    loss = sim_app.simulate(cfg)
+    record = json.loads((out / "summary.json").read_text())
+    with (out / record["metrics_csv"]).open() as file:
+        rows = list(csv.DictReader(file))
+    last = [r for r in rows if r.get("comm/bytes_sent")][-1]
+    return {"method": method, "seed": seed, "val_loss": loss, "sim_time_s": record["sim"]["sim_time_max"],
+            "bytes_region": float(last.get("comm/bytes_region") or 0.0),
+            "bytes_cross": float(last.get("comm/bytes_cross") or 0.0), "bytes_sent": float(last["comm/bytes_sent"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--inner-steps", type=int, default=5)
+    parser.add_argument("--cross-every", type=int, default=4)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/two_level_probe"))
+    args = parser.parse_args()
+    print("method        seed  val_loss  sim_time_s  MB_region  MB_cross  (per worker, modelled 1B fp32 clock;"
+          " bytes of the demo's tiny model)")
+    for seed in args.seeds:
+        for method in args.methods:
+            r = run(method, seed, args)
+            print(f"{r['method']:<13} {seed:>4}  {r['val_loss']:.4f}  {r['sim_time_s']:>10.1f}  "
+                  f"{r['bytes_region'] / 1e6:>9.2f}  {r['bytes_cross'] / 1e6:>8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The two-level round on stacked points: DiLoCo inside every region, a cross step every K rounds.
+
+The arithmetic is :class:`~gasloc_lightning.algorithm.two_level.TwoLevelRound`'s on ``(n, P)`` rows (one row per
+worker, its region's state); this class moves the tensors between rows, as the multi-process engine would move
+them over process groups, and charges each move to the clocks:
+
+- **region step, every round:** the exact mean of the members' pseudo-gradients, a ring all-reduce over the
+  region's ranks (the network's intra-region links), region by region;
+- **cross step, every K rounds:** either a gossip between regions, carried shard-parallel (rank l of region A
+  sends the l-th 1/m of its region's point to rank l of the paired region A': m concurrent flows sharing the
+  slow link, together one model), then an all-gather inside each region (charged as half an all-reduce), or,
+  for hierarchical DiLoCo (``region_topology`` complete), an all-reduce over every rank (the network's
+  cheaper of ring and hierarchical).
+
+The cross exchange is waited on where it happens: it is *not* overlapped with the next K rounds (started at
+one crossing and applied at the next); that delayed form is not built yet.
+
+Bytes are counted per worker and per level: :attr:`bytes_region` and :attr:`bytes_cross` (their sum is
+:attr:`bytes_sent`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gasloc_lightning.algorithm.two_level import TwoLevelRound, TwoLevelRule
+from gasloc_lightning.comm.transport import ring_all_reduce_bytes
+from gasloc_lightning.sim.rounds import WorkerClocks
+from gasloc_lightning.topology.regions import TwoLevelTopology
+
+_FLOAT32 = 4
+
+
+class TwoLevelRounds:
+    """Two-level GASLoC (or hierarchical DiLoCo) on the stacked points.
+
+    Args:
+        initial: (n, P) float32 starting points (every row equal).
+        topology: the regions, K, the region mixing and the cross step's hyperparameters.
+        rule: the two levels' hyperparameters (``topology.rule(region_lr=..., region_momentum=...)``), checked by
+            the caller with ``topology.check_rule``.
+        clocks: the workers' simulated clocks.
+    """
+
+    #: Model-sized float32 tensors of the outer state: region start, region momentum, cross point and anchor.
+    outer_state_copies = 4
+
+    def __init__(self, *, initial: Tensor, topology: TwoLevelTopology, rule: TwoLevelRule, clocks: WorkerClocks) -> None:
+        workers = initial.shape[0]
+        topology.check_world_size(workers)
+        self.topology, self.rule, self.clocks = topology, rule, clocks
+        self.regions = topology.regions
+        self.round = TwoLevelRound(initial, rule=rule, num_regions=self.regions.num_regions)
+        self.bytes_region = torch.zeros(workers, dtype=torch.float64)
+        self.bytes_cross = torch.zeros(workers, dtype=torch.float64)
+        self._members = [torch.as_tensor(list(ranks), device=initial.device) for ranks in self.regions.members]
+
+    @property
+    def bytes_sent(self) -> Tensor:
+        return self.bytes_region + self.bytes_cross
+
+    def level_bytes(self) -> dict[str, float]:
+        """Mean bytes sent per worker at each level, so far (what the engine logs)."""
+        return {"comm/bytes_region": float(self.bytes_region.mean()), "comm/bytes_cross": float(self.bytes_cross.mean())}
+
+    @torch.no_grad()
+    def communicate(self, flat: Tensor, round_index: int, live: Sequence[int]) -> None:
+        """End round t: ``flat`` holds every worker's thetaH and receives its region's new point."""
+        if len(live) != flat.shape[0]:
+            raise ValueError("two-level rounds need every worker (churn is not simulated with topology two_level)")
+        numel = flat.shape[1]
+        delta = self.round.pseudo_gradient(flat)  # (n, P), over flat: it is overwritten below
+        for index in self._members:
+            m = index.numel()
+            delta[index] = delta.index_select(0, index).sum(dim=0).div_(m)  # as the region's all-reduce: sum, / m
+            self.bytes_region[index] += ring_all_reduce_bytes(numel * _FLOAT32, m)
+            self.clocks.all_reduce(index.tolist())
+        self.round.region_step(delta)
+        if self.round.crosses(round_index):
+            self._cross(round_index, numel)
+        flat.copy_(self.round.region_start)
+
+    def _cross(self, round_index: int, numel: int) -> None:
+        u = self.round.cross_message()  # (n, P): identical rows inside a region
+        destination = self.round.cross_destination
+        workers = u.shape[0]
+        if self.rule.cross_mean:
+            destination.copy_(u.sum(dim=0).div_(workers))
+            self.bytes_cross += ring_all_reduce_bytes(numel * _FLOAT32, workers)
+            self.clocks.all_reduce(list(range(workers)))
+        else:
+            self._gossip(u, destination, round_index, numel)
+        self.round.cross_finish()
+
+    def _gossip(self, u: Tensor, destination: Tensor, round_index: int, numel: int) -> None:
+        """phi' = B C u: rank l mixes with rank l of the paired region (C), then each region averages (B)."""
+        cross = self.topology.cross_matrix(round_index)  # (n, n) float64, C
+        peers: dict[int, dict[int, float]] = {i: {} for i in range(u.shape[0])}
+        for i, j in (cross - torch.diag(cross.diagonal())).nonzero().tolist():
+            peers[i][j] = float(cross[i, j])
+        destination.copy_(u)
+        for i, row in peers.items():
+            for j, weight in row.items():
+                destination[i].add_(u[j] - u[i], alpha=weight)
+        for index in self._members:
+            destination[index] = destination.index_select(0, index).sum(dim=0).div_(index.numel())
+        pairs = sorted({(min(i, j), max(i, j)) for i, row in peers.items() for j in row})
+        shard = self._shard_fraction(peers)
+        for i, row in peers.items():
+            self.bytes_cross[i] += len(row) * shard[i] * numel * _FLOAT32
+        # The clock charges a whole message per pair at element_size bytes per modelled parameter: a shard.
+        share = max(shard.values()) if shard else 1.0
+        self.clocks.post(list(range(u.shape[0])), peers, pairs, _FLOAT32 * share)
+        self.clocks.complete()
+        for index in self._members:
+            if index.numel() > 1:  # the all-gather of the mixed shards: (m - 1) / m of the model, half an all-reduce
+                self.bytes_cross[index] += ring_all_reduce_bytes(numel * _FLOAT32, index.numel()) / 2
+                self.clocks.all_reduce(index.tolist(), element_size=_FLOAT32 / 2)
+
+    def _shard_fraction(self, peers: dict[int, dict[int, float]]) -> dict[int, float]:
+        """The share of the model each paired rank carries: 1 / (ranks paired between its two regions)."""
+        fraction = {}
+        for i, row in peers.items():
+            for j in row:
+                a, b = self.regions.region_of(i), self.regions.region_of(j)
+                fraction[i] = 1.0 / min(len(self.regions.members[a]), len(self.regions.members[b]))
+        return fraction
+
+    def flush(self, flat: Tensor) -> None:
+        """End of training: nothing is in flight (the cross exchange is waited on where it happens)."""
+
+    @torch.no_grad()
+    def restore_round_start(self, flat: Tensor, worker: int) -> None:
+        """A discarded round: ``worker``'s point goes back to its region's round start."""
+        flat[worker].copy_(self.round.region_start[worker])
+
+    def join(self, worker: int, source: int, state_bytes: float) -> None:
+        raise ValueError("two-level rounds do not simulate churn")

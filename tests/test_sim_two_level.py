@@ -1,0 +1,116 @@
+"""The simulator's two-level rounds (sim/two_level.py): against the float64 oracle of tests/test_two_level.py on
+stacked rows, each level's bytes and clock, and `gasloc-sim ... topology=two_level / hierarchical` end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
+
+from dist_utils import write_text_corpus
+from gasloc_lightning.app import sim as sim_app
+from gasloc_lightning.app.config import config_dir
+from gasloc_lightning.network import NetworkModel
+from gasloc_lightning.sim import TwoLevelRounds, WorkerClocks
+from gasloc_lightning.topology.regions import TwoLevelTopology
+from test_regions import Quadratics
+from test_two_level import oracle
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("region_topology", ["one_peer", "complete"])
+def test_rounds_follow_the_oracle_and_count_each_level(region_topology):
+    """Two regions of 4, K = 3: the stacked engine is the oracle's rule; the region level sends a ring all-reduce
+    every round, the cross level a quarter model per rank (shard-parallel) plus the all-gather, or an all-reduce."""
+    n, d, rounds = 8, 6, 9
+    topology = TwoLevelTopology.from_network(sizes=[4, 4], cross_every=3, region_topology=region_topology)
+    rule = topology.rule(region_lr=0.7, region_momentum=0.9)
+    quadratics = Quadratics(n, dim=d, seed=3)
+    network = NetworkModel.clusters(sizes=[4, 4], intra_gbps=100.0, inter_gbps=1.0, model_parameters=d,
+                                    intra_latency_s=1e-5, inter_latency_s=0.03,
+                                    step_time_s=1.0)
+    clocks = WorkerClocks(network, n)
+    engine = TwoLevelRounds(initial=torch.zeros(n, d), topology=topology, rule=rule, clocks=clocks)
+    local = Quadratics(n, dim=d, seed=3)
+    local.hessians, local.centres = quadratics.hessians.float(), quadratics.centres.float()
+    flat = torch.zeros(n, d)
+    for t, expected in enumerate(oracle(quadratics, topology.regions, rule, topology.region_topology, rounds)):
+        flat = local.local(flat)
+        engine.communicate(flat, t, list(range(n)))
+        assert torch.allclose(flat.double(), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    region_bytes = rounds * 2 * 3 * d * 4 / 4  # ring all-reduce among 4: 2 (m - 1) / m of the model, every round
+    assert float(engine.bytes_region[0]) == pytest.approx(region_bytes)
+    crossings = rounds // 3
+    if region_topology == "complete":
+        cross_bytes = crossings * 2 * 7 * d * 4 / 8
+    else:
+        cross_bytes = crossings * (d * 4 / 4 + 3 * d * 4 / 4)  # a quarter across, then the all-gather
+    assert float(engine.bytes_cross[0]) == pytest.approx(cross_bytes)
+    assert engine.level_bytes()["comm/bytes_cross"] == pytest.approx(cross_bytes)
+
+
+def test_the_cross_step_waits_on_the_slow_link_and_the_region_step_does_not():
+    """A 1 Gbit/s link across, 100 inside: a region round costs the intra all-reduce; a crossing adds the model over
+    the slow link (4 shards in parallel, sharing it)."""
+    parameters = 10**8  # 400 MB float32: 3.2 s over 1 Gbit/s
+    network = NetworkModel.clusters(sizes=[4, 4], intra_gbps=100.0, inter_gbps=1.0, inter_latency_s=0.0,
+                                    intra_latency_s=0.0, model_parameters=parameters, step_time_s=1.0)
+    topology = TwoLevelTopology.from_network(sizes=[4, 4], cross_every=2)
+    clocks = WorkerClocks(network, 8)
+    engine = TwoLevelRounds(initial=torch.zeros(8, 3), topology=topology,
+                            rule=topology.rule(region_lr=0.7, region_momentum=0.9), clocks=clocks)
+    flat = torch.randn(8, 3)
+    engine.communicate(flat, 0, list(range(8)))  # a region round
+    region_round = clocks.times()[0]
+    assert 0 < region_round < 0.1  # 0.06 s: 2 (3/4) 400 MB at 100 Gbit/s
+    engine.communicate(flat, 1, list(range(8)))  # a crossing
+    crossing = clocks.times()[0] - region_round
+    assert crossing == pytest.approx(region_round + 3.2 + region_round / 2, rel=0.05)
+
+
+# ------------------------------------------------------------------ the app
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_text_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _compose(corpus: Path, tmp_path: Path, overrides: list[str]):
+    quick = ["experiment=demo", "trainer.max_steps=4", "trainer.val_check_interval=4", "inner_steps=1",
+             f"data.source={corpus}", "data.val_fraction=0.25", "data.batch_size=2", "data.val_batches=1",
+             f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", "sim.workers=4",
+             "network=two_clusters", "strategy=gasloc", "strategy.outer_momentum=0.9", "topology.cross_every=2"]
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        return compose("sim/app", overrides=quick + overrides)
+
+
+@pytest.mark.parametrize("topology", ["two_level", "hierarchical"])
+def test_app_runs_both_levels_from_the_network_s_clusters(corpus, tmp_path, topology):
+    sim_app.simulate(_compose(corpus, tmp_path, [f"topology={topology}"]))
+    record = json.loads((tmp_path / "out" / "summary.json").read_text())
+    strategy = record["strategy"]
+    assert strategy["name"] == ("two_level" if topology == "two_level" else "hierarchical_diloco")
+    assert strategy["regions"] == [2, 2] and strategy["cross_every"] == 2 and strategy["outer_momentum"] == 0.9
+    with (tmp_path / "out" / record["metrics_csv"]).open() as file:
+        rows = [r for r in csv.DictReader(file) if r["comm/bytes_cross"]]
+    assert len(rows) == 4 and float(rows[0]["comm/bytes_region"]) > 0
+    assert float(rows[0]["comm/bytes_cross"]) == 0 < float(rows[1]["comm/bytes_cross"])  # a crossing every 2nd round
+    assert record["sim"]["sim_time_max"] > 0
+
+
+def test_app_refuses_an_unstable_rule_and_what_two_level_does_not_take(corpus, tmp_path):
+    with pytest.raises(ValueError, match="cross_momentum below"):
+        sim_app.build(_compose(corpus, tmp_path, ["topology=two_level", "topology.cross_every=1",
+                                                  "topology.cross_momentum=0.9"]))
+    with pytest.raises(ValueError, match="strategy.overlap"):
+        sim_app.build(_compose(corpus, tmp_path, ["topology=two_level", "overlap=true"]))
+    with pytest.raises(InstantiationException, match="needs regions"):
+        sim_app.build(_compose(corpus, tmp_path, ["topology=two_level", "network=uniform_fast", "sim.workers=8"]))
+    cfg = _compose(corpus, tmp_path, ["topology=two_level", "topology.regions=[a,b,a,b]"])
+    simulator, parts = sim_app.build(cfg)
+    assert parts["strategy"]["regions"] == [2, 2] and simulator.rounds.regions.members[0] == (0, 2)

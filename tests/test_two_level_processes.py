@@ -1,0 +1,71 @@
+"""The two-level round on real gloo ranks (comm/two_level.py): region means on subgroups and the shard-parallel
+crossing give the simulator's points (sim/two_level.py), and each level's bytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gasloc_lightning.algorithm.two_level import TwoLevelRound
+from gasloc_lightning.comm.two_level import RegionTransport
+from gasloc_lightning.sim import TwoLevelRounds, WorkerClocks
+from gasloc_lightning.topology.regions import TwoLevelTopology
+from test_quantized_all_reduce import _fork_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+NUMEL, ROUNDS, LAYOUT = 1001, 7, ["us", "eu", "us", "eu"]  # numel not a multiple of m: the shards are padded
+
+
+def local_progress(round_index: int) -> torch.Tensor:
+    """What each rank's inner steps add to its round start in round t (n, P)."""
+    return torch.randn(len(LAYOUT), NUMEL, generator=torch.Generator().manual_seed(round_index))
+
+
+def topology(region_topology: str) -> TwoLevelTopology:
+    return TwoLevelTopology(LAYOUT, cross_every=2, region_topology=region_topology)
+
+
+def _rank(rank: int, world_size: int, port: int, region_topology: str, queue) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        two_level = topology(region_topology)
+        rule = two_level.rule(region_lr=0.7, region_momentum=0.9)
+        transport = RegionTransport(two_level.regions, rank)
+        round_ = TwoLevelRound(torch.zeros(NUMEL), rule=rule, num_regions=two_level.regions.num_regions)
+        for t in range(ROUNDS):
+            delta = round_.pseudo_gradient(round_.region_start.detach() + local_progress(t)[rank])
+            round_.region_step(transport.region_mean_(delta))
+            if round_.crosses(t):
+                u = round_.cross_message()
+                if rule.cross_mean:
+                    round_.cross_destination.copy_(transport.world_mean_(u.clone()))
+                else:
+                    transport.cross_mix(u, round_.cross_destination, two_level.cross_peers(rank, t))
+                round_.cross_finish()
+        queue.put((rank, round_.region_start.detach().numpy().tobytes(), transport.level_bytes()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("region_topology", ["one_peer", "complete"])
+def test_ranks_compute_the_simulators_points_and_bytes(region_topology, fresh_port, one_torch_thread):
+    results = _fork_ranks(_rank, len(LAYOUT), fresh_port(), region_topology)
+    two_level = topology(region_topology)
+    sim = TwoLevelRounds(initial=torch.zeros(len(LAYOUT), NUMEL), topology=two_level,
+                         rule=two_level.rule(region_lr=0.7, region_momentum=0.9), clocks=WorkerClocks(None, 4))
+    flat = torch.zeros(len(LAYOUT), NUMEL)
+    for t in range(ROUNDS):
+        flat += local_progress(t)
+        sim.communicate(flat, t, list(range(len(LAYOUT))))
+    for rank, point, level_bytes in results:
+        got = torch.frombuffer(bytearray(point), dtype=torch.float32)
+        torch.testing.assert_close(got, flat[rank], rtol=1e-6, atol=1e-5)  # gloo sums 4 ranks in its order
+        assert level_bytes["comm/bytes_region"] == float(sim.bytes_region[rank])  # 7 all-reduces among 2
+        assert level_bytes["comm/bytes_cross"] == pytest.approx(float(sim.bytes_cross[rank]), rel=1e-3)  # padding
+    assert not torch.allclose(flat[0], flat[1])  # the regions differ between crossings (t = 6 is a region round)
