@@ -27,6 +27,7 @@ from gasloc_lightning.app.elastic import free_port, lighthouse_command  # noqa: 
 from gasloc_lightning.comm.elastic_encoded_mean import ElasticEncodedMean, QuantizedRoundMean  # noqa: E402
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport  # noqa: E402
 from gasloc_lightning.comm.encoded_mean import EncodedAllReduce  # noqa: E402
+from gasloc_lightning.comm.flat import FlatLayout  # noqa: E402
 from gasloc_lightning.comm.membership import ElasticMembership, lighthouse_reachable  # noqa: E402
 from gasloc_lightning.comm.message_auth import MessageAuthenticator  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticDiLoCoStrategy, ElasticGASLoCStrategy  # noqa: E402
@@ -185,3 +186,36 @@ def test_the_first_round_of_every_quorum_is_exact_then_quantized_rounds_follow()
     assert not rounds.quantized
     rounds.apply(torch.full((4,), float("nan")), torch.zeros(4), 1)
     assert transport.exact == 2 and not rounds.quantized  # a rejected (non-finite) mean: the next is exact again
+
+
+def test_the_elastic_diloco_posts_after_step_h_minus_1_and_applies_after_step_h():
+    """The strategy's two points, with a recorder in place of the quorum's mean: one post per round, after step
+    H - 1, of u_i from that step's point (the point moves on at step H); the apply at the round's mean."""
+    strategy = _elastic(ElasticDiLoCoStrategy, message_codec="int8", overlap=True, inner_steps=4)
+    strategy.check_configuration(1)
+    module = torch.nn.Linear(3, 2)
+    strategy._layout = FlatLayout(module)
+    strategy._init_outer_state()
+    calls = []
+
+    class Recorder:
+        def post(self, message, round_start, round_index):
+            calls.append(("post", message.clone(), round_index))
+            return True
+
+        def apply(self, message, round_start, round_index):
+            calls.append(("apply", None, round_index))
+            return message
+
+    strategy._quantized_mean = Recorder()
+    params = strategy.layout.num_parameter_elements
+    for step in (1, 2, 3):
+        strategy._after_inner_step(step)
+    at_h_minus_1 = strategy.layout.read()[:params].clone()
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(1.0)  # step H moves the point
+    strategy._after_inner_step(4)
+    strategy._round_mean_of(strategy.layout.read().clone())
+    assert [name for name, _, _ in calls] == ["post", "apply"]
+    assert torch.equal(calls[0][1], strategy._round.outer.message(at_h_minus_1))
