@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
@@ -38,8 +39,8 @@ NUMEL = 1000  # not a multiple of 3 members x the codec's block: padded chunks
 GATE = 60.0  # a failure deadline only
 
 
-@pytest.fixture
-def quorum_of_three():
+@contextlib.contextmanager
+def _quorum_of_three():
     """A lighthouse of min 3 and three joined memberships (a quorum of 3), stopped by pid and shut down."""
     port = free_port()
     process = subprocess.Popen(lighthouse_command(port, 3, 200, 1000), stdout=subprocess.DEVNULL,
@@ -63,6 +64,20 @@ def quorum_of_three():
             member.shutdown()
         process.kill()
         process.wait()
+
+
+@pytest.fixture(scope="module")
+def quorum_of_three():
+    """One quorum for the tests that leave it whole (a join costs seconds on a loaded machine)."""
+    with _quorum_of_three() as members:
+        yield members
+
+
+@pytest.fixture
+def doomed_quorum():
+    """A quorum of its own, for a test that kills a member."""
+    with _quorum_of_three() as members:
+        yield members
 
 
 def _in_threads(function, items):
@@ -112,8 +127,8 @@ def test_a_member_computes_while_its_posted_mean_waits_for_a_late_member(quorum_
     assert all(torch.equal(result, expected) for result in results)
 
 
-def test_a_member_that_dies_before_its_part_fails_the_mean_on_every_other_member_as_float32_does(quorum_of_three):
-    members = quorum_of_three
+def test_a_member_that_dies_before_its_part_fails_the_mean_on_every_other_member_as_float32_does(doomed_quorum):
+    members = doomed_quorum
     transports = [ElasticTransport(NUMEL, member) for member in members]
     for transport in transports:
         transport.timeout = 5.0  # the failure deadline of a member that hangs instead of closing
