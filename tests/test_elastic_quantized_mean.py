@@ -172,7 +172,8 @@ def test_the_elastic_diloco_refuses_what_it_cannot_run(arguments, message):
 def test_the_elastic_diloco_takes_int8_and_int4_with_overlap_and_gossip_still_refuses_codecs():
     for codec in ("int8", "int4"):
         strategy = _elastic(ElasticDiLoCoStrategy, message_codec=codec, overlap=True)
-        assert strategy.message_codec == codec and not strategy.overlap  # the gossip machinery stays float32
+        assert (strategy.message_codec, strategy.overlap) == (codec, True)
+        assert (strategy._message_codec, strategy._overlap) == ("float32", False)  # the gossip round's own
     with pytest.raises(ValueError, match="float32"):
         _elastic(ElasticGASLoCStrategy, message_codec="int8")
     with pytest.raises(ValueError, match="overlap"):

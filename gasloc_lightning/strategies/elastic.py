@@ -880,6 +880,11 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
         return self._round_codec
 
     @property
+    def overlap(self) -> bool:
+        """Whether the round's quantized mean runs under its last step (not GASLoC's one-round-late overlap)."""
+        return self._round_overlap
+
+    @property
     def quantized_mean(self) -> QuantizedRoundMean | None:
         """This fit's quantized round mean (None with float32 messages, or before the fit starts)."""
         return self._quantized_mean
