@@ -65,6 +65,7 @@ class PendingElasticMean:
     members: int  # n, the admitted members it averages over
     volume: int  # bytes this member sends (and receives)
     _buffers: EncodedAllReduce | None = field(default=None, repr=False)
+    _failure: Exception | None = field(default=None, repr=False)  # raised again by a second wait, not recounted
 
 
 class ElasticEncodedMean:
@@ -137,6 +138,8 @@ class ElasticEncodedMean:
         :class:`~gasloc_lightning.comm.elastic_transport.ElasticCollectiveError` (``tensor`` is then undefined:
         callers restore it)."""
         transport = self.transport
+        if pending._failure is not None:
+            raise pending._failure
         try:
             # The thread's sends and receives end by the deadline; the margin covers its decoding and hashing.
             pending.future.result(timeout=max(0.0, pending.deadline - time.monotonic()) + transport.timeout)
@@ -148,9 +151,10 @@ class ElasticEncodedMean:
             transport.failed_exchanges += 1
             transport.error = transport.error or error
             pending._buffers = None  # the thread may still hold them: never reused
-            raise ElasticCollectiveError(f"quantized mean over {max(pending.members, 1)} workers failed: "
-                                         f"{str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__}"
-                                         ) from error
+            first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            pending._failure = ElasticCollectiveError(f"quantized mean over {max(pending.members, 1)} workers "
+                                                      f"failed: {first_line}")
+            raise pending._failure from error
         if pending._buffers is not None:
             self._free[(pending.tensor.numel(), pending.members)] = pending._buffers
             pending._buffers = None
