@@ -154,6 +154,15 @@ def test_workers_and_the_lighthouse_listen_on_loopback_by_default():
     assert command[command.index("--bind") + 1] == "[::1]:29510"
 
 
+def test_the_elastic_diloco_worker_takes_strategy_diloco_codec_and_overlap_and_gossip_ignores_them():
+    strategy = worker_config(_compose(["elastic.method=diloco", "strategy=diloco", "strategy.message_codec=int4",
+                                       "strategy.overlap=true"]), 0, "127.0.0.1:29510", "/nonexistent/w").strategy
+    assert strategy._target_.endswith("ElasticDiLoCoStrategy")
+    assert (strategy.message_codec, strategy.overlap, strategy.fragments) == ("int4", True, 1)
+    strategy = worker_config(_compose([]), 0, "127.0.0.1:29510", "/nonexistent/w").strategy  # gasloc: as before
+    assert "message_codec" not in strategy and "overlap" not in strategy
+
+
 def test_term_is_a_chaos_action():
     assert parse_chaos(["restart:2@50", "term:2@40"], workers=3) == [ChaosEvent("term", 2, 40),
                                                                        ChaosEvent("restart", 2, 50)]
@@ -397,9 +406,12 @@ def test_min_workers_never_met_fails_clearly(tmp_path, cache_dir):
 @pytest.mark.timeout(240)
 def test_elastic_diloco_end_to_end(tmp_path, cache_dir):
     """elastic.method=diloco with a kill and a restart: all three end at max_steps on one model. (300 steps: a held
-    restart builds its trainer while the others train: up to ~20 s on the loaded 2-core machine.)"""
+    restart builds its trainer while the others train: up to ~20 s on the loaded 2-core machine.) With the int8
+    quantized mean, overlapped: the rounds after a quorum's first (which is the exact float32 all-reduce) post their
+    mean after step H - 1 and apply it after step H, so one run covers both paths and a change of quorum."""
     steps = 300
-    summary = _run(["elastic.method=diloco", f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+    summary = _run(["elastic.method=diloco", "strategy=diloco", "strategy.message_codec=int8", "strategy.overlap=true",
+                    f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
                     "elastic.chaos=[kill:2@10,restart:2@20]"], tmp_path, cache_dir)
     rows = _rows(summary)
     assert all(row["status"] == "finished" and row["final_step"] == steps for row in rows.values()), rows

@@ -825,6 +825,7 @@ def print_table(summary: dict[str, Any]) -> None:
 # ------------------------------------------------------------------ worker configs
 _GASLOC_KEYS = ("inner_steps", "outer_lr", "outer_momentum", "outer_form", "seed", "consensus_every",
                 "bucket_cap_mb", "on_nonfinite", "max_skipped_rounds")
+_DILOCO_KEYS = ("message_codec", "overlap", "fragments", "fragment_sync_delay", "fragment_update_alpha")
 
 
 def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str) -> DictConfig:
@@ -846,6 +847,9 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
         strategy["_target_"] = "gasloc_lightning.strategies.elastic.ElasticDiLoCoStrategy"
         if strategy.get("outer_momentum") is None:
             strategy.pop("outer_momentum", None)  # DiLoCo's 0.9
+        if str(run.strategy.get("_target_", "")).endswith("DiLoCoStrategy"):  # strategy=diloco: its codec and
+            # overlap apply (quantized mean), and what the elastic DiLoCo cannot run is refused, not dropped
+            strategy.update({key: run.strategy[key] for key in _DILOCO_KEYS if key in run.strategy})
     strategy.update(
         lighthouse=lighthouse, worker_id=worker, min_workers=min_workers_of(elastic),
         max_workers=max_workers_of(elastic), allow_split_quorum=bool(elastic.allow_split_quorum),

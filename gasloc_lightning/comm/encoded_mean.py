@@ -71,10 +71,31 @@ class EncodedAllReduce:
     def exchange(self, group: dist.ProcessGroup | None) -> None:
         """Phase 2: the all-to-all, the reduction of the chunk this worker owns, the all-gather of the means."""
         dist.all_to_all_single(self._received, self._send, group=group)
-        own = self._send[0]  # free once sent
-        self.mean.reduce_chunk(self._received, own, self._scratch, self._total)
+        own = self.reduce_owned()
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         all_gather(self._gathered.view(-1), own, group=group)
+
+    # The wires of phase 2, for a transport that moves them itself (the elastic quorum's point-to-point exchange,
+    # comm/elastic_encoded_mean.py): row c of ``outgoing`` is this worker's encoding of chunk c, row j of
+    # ``incoming`` worker j's encoding of the chunk this worker owns, row c of ``gathered`` chunk c's mean.
+    @property
+    def outgoing(self) -> Tensor:
+        return self._send
+
+    @property
+    def incoming(self) -> Tensor:
+        return self._received
+
+    @property
+    def gathered(self) -> Tensor:
+        return self._gathered
+
+    def reduce_owned(self) -> Tensor:
+        """The owned chunk's mean from ``incoming`` (every row arrived), encoded into ``outgoing[0]`` (free once
+        sent), which it returns."""
+        own = self._send[0]
+        self.mean.reduce_chunk(self._received, own, self._scratch, self._total)
+        return own
 
     def decode(self, out: Tensor) -> Tensor:
         """Phase 3: every chunk's mean into ``out``."""

@@ -63,6 +63,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.round import GossipRound, check_codec
+from gasloc_lightning.comm.elastic_encoded_mean import QuantizedRoundMean
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.endpoints import Endpoint
 from gasloc_lightning.comm.faults import FaultPoints
@@ -710,7 +711,7 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         backup = self._transport.receive_buffer(0)
         backup.copy_(message)
         try:
-            self._transport.all_reduce_mean(message, round_exchange=True)
+            self._round_mean_of(message)
         except ElasticCollectiveError as error:
             log.warning("all-reduce round failed round=%d: %s (own point kept)", self.round_index, error)
             message.copy_(backup)
@@ -719,6 +720,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
             self._guard.rejected_exchanges += 1
             log.warning("all-reduce round gave non-finite values round=%d (own point kept)", self.round_index)
             message.copy_(backup)
+
+    def _round_mean_of(self, message: Tensor) -> None:
+        """The round's mean of the messages over the quorum, in place (the elastic DiLoCo's codec overrides it)."""
+        self._transport.all_reduce_mean(message, round_exchange=True)
 
     @override
     def end_round(self) -> None:
@@ -841,14 +846,84 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
     Douillard et al., arXiv 2311.08105. Identical to :class:`ElasticGASLoCStrategy` with ``topology="complete"``
     (docs/algorithm.md section 2); a failed all-reduce keeps each worker's own point for that round.
     Takes the same arguments, without ``topology``; ``outer_momentum`` defaults to DiLoCo's 0.9.
+
+    Args:
+        message_codec: ``"float32"`` (an exact all-reduce) or a lossy codec (``int8``, ``int4``, ``fp8``,
+            ``bfloat16``): the round's mean is then a quantized mean of ``u_i - round_start`` over the quorum's
+            admitted members, the same bits as the static DiLoCo's
+            (:class:`~gasloc_lightning.comm.elastic_encoded_mean.QuantizedRoundMean`: the first round of every
+            quorum stays exact, which brings its members to one round start).
+        overlap: with a lossy codec, the mean is posted after the round's last step but one (the prepare point)
+            and waited on after its last step (where it is applied), that step computing meanwhile: Streaming
+            DiLoCo with one fragment and ``fragment_sync_delay=1`` (the last step's own progress is replaced by the
+            mean, ``fragment_update_alpha=0``). Whole models only: ``fragments`` stays 1.
     """
 
     strategy_name = "diloco_elastic"
 
-    def __init__(self, *, outer_momentum: float | None = 0.9, **kwargs: Any) -> None:
+    def __init__(self, *, outer_momentum: float | None = 0.9, message_codec: str = "float32", overlap: bool = False,
+                 **kwargs: Any) -> None:
         if "topology" in kwargs:
             raise ValueError("ElasticDiLoCoStrategy always uses topology='complete'; do not pass topology")
+        if message_codec != "float32":
+            QuantizedRoundMean.check_codec(message_codec)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be true or false, got {overlap!r}")
+        if overlap and message_codec == "float32":
+            raise ValueError("ElasticDiLoCoStrategy overlaps only a quantized mean: with overlap=True set "
+                             "message_codec to int8 or int4 (the float32 all-reduce runs where it is applied)")
         super().__init__(topology="complete", outer_momentum=outer_momentum, **kwargs)
+        # not GASLoCStrategy's _message_codec and _overlap: the gossip round stays float32 and in step
+        self._round_codec, self._round_overlap = message_codec, overlap
+        self._quantized_mean: QuantizedRoundMean | None = None
+        self._prepared: Tensor | None = None
+
+    @property
+    def message_codec(self) -> str:
+        return self._round_codec
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the round's quantized mean runs under its last step (not GASLoC's one-round-late overlap)."""
+        return self._round_overlap
+
+    @property
+    def quantized_mean(self) -> QuantizedRoundMean | None:
+        """This fit's quantized round mean (None with float32 messages, or before the fit starts)."""
+        return self._quantized_mean
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._round_codec != "float32":
+            self._quantized_mean = QuantizedRoundMean(self._transport, self._round_codec,
+                                                      self.layout.num_parameter_elements)
+
+    @override
+    def _signature(self) -> dict[str, Any]:
+        return {**super()._signature(), "message_codec": self._round_codec, "overlap": self._round_overlap}
+
+    @override
+    def _round_mean_of(self, message: Tensor) -> None:
+        if self._quantized_mean is None:
+            return super()._round_mean_of(message)
+        self._quantized_mean.apply(message, self._round.outer.round_start, self.round_index)
+
+    @override
+    @torch.no_grad()
+    def _after_inner_step(self, step_in_round: int) -> None:
+        super()._after_inner_step(step_in_round)
+        if self._round_overlap and self._quantized_mean is not None and step_in_round == self.round_length - 1:
+            params, _ = self.layout.split(self.layout.read())  # the prepare point: u_i of this step's point
+            self._prepared = params.clone() if self._prepared is None else self._prepared.copy_(params)
+            self._quantized_mean.post(self._round.outer.message(self._prepared), self._round.outer.round_start,
+                                      self.round_index)
+
+    @override
+    def _replica_mean(self, flat: Tensor) -> Tensor:
+        if self._quantized_mean is not None:
+            self._quantized_mean.drain()  # a consensus evaluation inside the round: the group is its alone
+        return super()._replica_mean(flat)
 
 
 # The heal server's counters (comm/state_transfer.py): peer-triggered events are counted here, not logged line by line.
