@@ -343,7 +343,9 @@ def test_a_gossip_message_whose_tag_fails_is_dropped_and_counted():
     mailbox = Mailbox()
     members = MEMBERS[:2]
     transports = _honest_pair(mailbox, tagged=True, members=members)
-    mailbox.tamper = lambda source, destination, tag, data: data * 2 if (source, tag) == (0, 1000) else data
+    gossip_tag = transports[0].gloo_tag(0)  # the message's tag (the next one carries its keyed tag)
+    assert gossip_tag == transports[1].gloo_tag(0)  # one agreement, the same tags
+    mailbox.tamper = lambda source, destination, tag, data: data * 2 if (source, tag) == (0, gossip_tag) else data
 
     def one(rank):
         pending = transports[rank].post(torch.full((6,), 1.0 + rank), {1 - rank: 0.5}, round_index=3)

@@ -45,7 +45,7 @@ from gasloc_lightning.comm.message_auth import context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemberAuthenticator", "MemberCheck", "attest", "verify_members"]
+__all__ = ["TAG_SPAN", "MemberAuthenticator", "MemberCheck", "attest", "still_agreed", "tag_base", "verify_members"]
 
 ATTESTATION_BYTES = 32
 _LABEL = b"gasloc member-auth v2"
@@ -91,8 +91,12 @@ class MemberAuthenticator:
         mac, body = value[:ATTESTATION_BYTES], value[ATTESTATION_BYTES:]
         if not hmac.compare_digest(mac, self._mac("decision", quorum_id, *members, body)):
             return None
-        admitted = tuple(int(part) for part in body.decode("ascii").split(","))  # signed: written by a member
-        return admitted if list(admitted) == sorted(set(admitted)) and admitted[-1] < len(members) else None
+        try:  # signed, so written by a member, but parsed defensively: a malformed body is refused, never raised
+            admitted = tuple(int(part) for part in body.decode("ascii").split(","))
+        except ValueError:  # UnicodeDecodeError included
+            return None
+        return admitted if list(admitted) == sorted(set(admitted)) and 0 <= admitted[0] and admitted[-1] < len(
+            members) else None
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,24 @@ class MemberCheck:
     refused: tuple[int, ...]
     unanswered: tuple[int, ...] = ()
     left_out: bool = False  # this worker is not in the agreed set (or there is none): it exchanges with nobody
+    decision: bytes = b""  # the signed decision agreed on (b"": none): its digest picks the quorum's gloo tags
+    tampered: bool = False  # the decision or this worker's attestation vanished or changed in the store
+
+    def digest(self, members: tuple[str, ...]) -> bytes:
+        """What every member holding this same agreement (decision, quorum, members) derives alike: the quorum's
+        gloo tags come from it (:func:`tag_base`), so members whose views differ never match each other's sends."""
+        return hashlib.sha256(context("agreement", self.quorum_id, *members, self.decision,
+                                      *self.admitted)).digest()
+
+
+TAG_SPAN = 8  # gloo tags one agreement uses: tag_base(...) + 0 .. TAG_SPAN - 1
+_TAG_FLOOR, _TAG_SLOTS = 1 << 24, 1 << 26  # clear of torchft's PGTransport tags (1, 2, 3 + i); below 2**31
+
+
+def tag_base(digest: bytes) -> int:
+    """The first of :data:`TAG_SPAN` gloo tags for one agreement: a 26-bit slice of its digest, so two different
+    agreements in one group pick the same tags with odds 2**-26, and a tag stays within gloo's (u)int32 range."""
+    return _TAG_FLOOR + TAG_SPAN * (int.from_bytes(digest[:4], "big") % _TAG_SLOTS)
 
 
 def attest(store: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
@@ -143,6 +165,12 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
                     str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
         value = b""
     agreed = authenticator.open_decision(value, quorum_id=quorum_id, members=members)
+    tampered = agreed is not None and not still_agreed(store, value, quorum_id=quorum_id, members=members,
+                                                       index=index, authenticator=authenticator)
+    if tampered:
+        log.warning("member-auth keys tampered with quorum_id=%d worker=%s: the decision or this worker's "
+                    "attestation vanished or changed in the store", quorum_id, me.split(":")[0])
+        agreed = None
     admitted = agreed if agreed is not None and index in agreed else (index,)
     refused = tuple(peer for peer in range(n) if peer not in admitted)
     reason = ("no valid decision" if agreed is None else "not in the agreed set" if index in agreed
@@ -151,7 +179,28 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
         log.warning("member refused quorum_id=%d member=%s worker=%s reason=%s", quorum_id,
                     members[peer].split(":")[0], me.split(":")[0], reason)
     return MemberCheck(quorum_id=quorum_id, admitted=admitted, refused=refused, unanswered=refused,
-                       left_out=agreed is None or index not in agreed)
+                       left_out=agreed is None or index not in agreed, decision=value if agreed else b"",
+                       tampered=tampered)
+
+
+def still_agreed(store: Any, decision: bytes, *, quorum_id: int, members: tuple[str, ...], index: int,
+                 authenticator: MemberAuthenticator) -> bool:
+    """Whether the store still holds ``decision`` and this worker's attestation, unchanged.
+
+    Any client of the rendezvous store (no secret needed) can list, delete or overwrite these keys; a deleted
+    decision lets a later member write a second, validly signed one, so members could hold different admitted
+    sets. A worker reads both back at its first use and before each exchange: a vanished or changed key is
+    tampering (reported, the quorum's exchanges fail), and a store that fails the read counts as such too."""
+    decision_key = authenticator.key_name(quorum_id=quorum_id, members=members)
+    own_key = authenticator.key_name(quorum_id=quorum_id, members=members, index=index)
+    try:
+        if not store.check([decision_key, own_key]):
+            return False
+        return (hmac.compare_digest(bytes(store.get(decision_key)), decision)
+                and hmac.compare_digest(bytes(store.get(own_key)),
+                                        authenticator.attestation(quorum_id=quorum_id, members=members, index=index)))
+    except Exception:  # noqa: BLE001 - a store that closed or timed out
+        return False
 
 
 def _agree(store: Any, keys: list[str], decision_key: str, deadline: float, decide: Any) -> bytes:
