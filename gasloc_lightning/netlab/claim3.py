@@ -84,19 +84,9 @@ def recorded(folder: Path, command: list[str], reuse: bool = False) -> list[tupl
     if not path.is_file():
         return None
     record = json.loads(path.read_text())
-    if _normalized(record.get("command") or []) != _normalized(command[1:]):
+    if record.get("command") != command[1:]:
         return None
     return [tuple(point) for point in record["curve"]]
-
-
-_PATH_KEYS = ("output_dir=", "hydra.run.dir=")
-
-
-def _normalized(arguments: list[str]) -> list[str]:
-    """A command's arguments with its folders resolved: ``--out runs`` and ``--out ./runs`` (or an absolute path
-    to the same folder) name the same runs."""
-    return [next((key + str(Path(arg[len(key):]).resolve()) for key in _PATH_KEYS if arg.startswith(key)), arg)
-            for arg in arguments]
 
 
 def run_method(name: str, seed: int, steps: int, scale: float, out: Path, reuse: bool = False,
