@@ -27,7 +27,7 @@ from gasloc_lightning.comm.membership import Quorum
 from gasloc_lightning.comm.message_auth import MessageAuthenticator, context
 from gasloc_lightning.comm.ring import UnauthenticMessageError, ring_all_reduce_sum
 
-SECRET = b"the-run-secret"
+SECRET = b"the-run-secret-of-16+"
 MEMBERS = ("worker_0000:a", "worker_0001:b", "worker_0002:c")
 
 
@@ -377,7 +377,7 @@ def test_the_strategy_validates_its_authentication_options(arguments, message):
     from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
 
     with pytest.raises(ValueError, match=message):
-        ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s", **arguments)
+        ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s" * 16, **arguments)
 
 
 def test_a_member_that_does_not_attest_is_refused_and_reported_so_the_next_quorum_agrees_again():

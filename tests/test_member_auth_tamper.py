@@ -128,3 +128,12 @@ def test_a_signed_but_malformed_decision_is_refused_not_raised():
     for body in (b"\xff", b"x", b"1,,2", b"-1,2", b"2,1", b"9"):
         mac = authenticator._mac("decision", 7, *MEMBERS, body)  # signed: what a dishonest member could write
         assert authenticator.open_decision(mac + body, quorum_id=7, members=MEMBERS) is None
+
+
+def test_a_secret_shorter_than_16_bytes_is_refused_naming_the_variable():
+    """Anyone who lists the store reads MACs made with the secret: a short one could be guessed offline."""
+    from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
+
+    with pytest.raises(ValueError, match="GASLOC_ELASTIC_SECRET.*at least 16"):
+        ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s" * 15)
+    ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s" * 16)

@@ -30,6 +30,9 @@ from typing import Any
 import torch
 
 SECRET_ENV = "GASLOC_ELASTIC_SECRET"
+# Anyone who reaches a quorum's rendezvous store can list it and read the member-auth MACs: with them a weak secret
+# can be guessed offline. The elastic strategies refuse a shorter one (new_secret makes 64 hex characters).
+MIN_SECRET_BYTES = 16
 PLAIN_TYPES = (type(None), bool, int, float, str)
 MAX_KEY_CHARS = 1024  # longest dict key check_plain takes (a parameter's name is far shorter)
 _SHOWN_KEY_CHARS = 40  # what an error message shows of one key
