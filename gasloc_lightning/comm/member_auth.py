@@ -7,16 +7,23 @@ torchft's process group was just configured with: every member reached it moment
 so no gloo operation is ever left pending):
 
 1. **Attest.** Each member writes ``HMAC(key, "attest", quorum id, the quorum's sorted replica ids, its index)``
-   under a key whose name is itself a MAC of (quorum id, replica ids, index): a host without the secret can
-   neither name, read in advance, nor write another member's attestation, and its own cannot exist. A worker
+   under a key whose name is itself a MAC of (quorum id, replica ids, index). The name hides nothing: any client
+   of the store (no secret, not even a member) can list, read, overwrite and delete every key; but it cannot
+   write an attestation that verifies, so its own cannot exist. A worker
    attests (:func:`attest`) as soon as the quorum's gloo group is configured, a rendezvous every member completes
    together before any heal, so a joiner healing over a slow link has attested long before its first exchange.
 2. **Agree.** Each member waits for every member's attestation, or until its deadline. The first member to get
    there writes a signed decision, ``HMAC(key, "decision", quorum id, replica ids, admitted) || admitted``, with
-   the store's atomic ``compare_set``: one decision is ever written for a quorum, and every member (the slow ones
-   included, however late they arrive) reads that same decision. So all honest members hold the *same* admitted
-   set: an honest member that was too slow to attest is left out by every member alike (it then exchanges with
-   nobody, reports, and the next quorum agrees again), never by some of them only.
+   the store's atomic ``compare_set``: unless a store client deletes it, one decision is written for a quorum,
+   and every member (the slow ones included, however late they arrive) reads that same decision. So honest
+   members hold the *same* admitted set: an honest member that was too slow to attest is left out by every
+   member alike (it then exchanges with nobody, reports, and the next quorum agrees again).
+3. **Keep checking.** A deleted decision lets a later member write a second, validly signed one, so members
+   could hold different sets. Each member reads the decision and its own attestation back at its first use and
+   before each later exchange (:func:`still_agreed`): a vanished or changed one is tampering (reported, the
+   quorum's exchanges fail). And the quorum's gloo tags derive from the agreement (:meth:`MemberCheck.digest`,
+   :func:`tag_base`), so members whose views differ never match each other's sends and receives: a timeout, a
+   failed exchange, never gloo's abort on a message longer than the posted receive.
 
 Why no nonce, as a challenge-response would have: an attestation names its quorum and the whole member list
 (torchft's replica ids carry a fresh uuid per process) and its author's index, and an honest member only ever
@@ -25,9 +32,11 @@ process that wrote it, in the quorum it was written for. What is proven is the r
 at that rank; a host that registers with an honest member's replica id could race it for that rank in the
 (unauthenticated) rendezvous: ``docs/security.md`` lists that as not protected.
 
-The store's host (the quorum's first member) sees the key names and values and could withhold or swap them: it
-cannot forge an attestation or a decision, so at worst the members admit fewer peers or fail the quorum's first
-exchange, which is reported (the host of the rendezvous can break the quorum anyway).
+Any client of the store (its host, any member, any host that reaches its port) sees the key names and values and
+can withhold, delete or swap them: it cannot forge an attestation or a decision, so at worst the members admit
+fewer peers, or hold different views and fail the quorum's exchanges, which is reported every time. The keys of a
+replaced quorum are left in the store: torchft builds each quorum's store prefix anew, and the store lives on
+the quorum's first member, so they go when that process does (a few hundred bytes per quorum).
 
 Nothing here imports Lightning.
 """
