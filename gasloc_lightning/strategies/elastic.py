@@ -74,7 +74,8 @@ from gasloc_lightning.comm.message_auth import MessageAuthenticator
 from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning, is_split_quorum, quorum_floor, split_warning
 from gasloc_lightning.comm.run_end import is_final
 from gasloc_lightning.comm.state_apply import StateApplyError, StatePart, apply_all_or_nothing
-from gasloc_lightning.comm.wire import MIN_SECRET_BYTES, UnsafePayloadError, check_like, check_plain, run_secret
+from gasloc_lightning.comm.wire import (MIN_SECRET_BYTES, UnsafePayloadError, check_like, check_plain,
+                                        run_secret)
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
 from gasloc_lightning.strategies.final_average import FAULT_POINTS, FinalAverage
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
