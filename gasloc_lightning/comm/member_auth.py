@@ -194,7 +194,8 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
 
 def still_agreed(store: Any, decision: bytes, *, quorum_id: int, members: tuple[str, ...], index: int,
                  authenticator: MemberAuthenticator) -> bool:
-    """Whether the store still holds ``decision`` and this worker's attestation, unchanged.
+    """Whether the store still holds ``decision`` unchanged, and this worker's attestation (two store round trips:
+    a ``check`` of both keys, a ``get`` of the decision; an attestation matters only until the decision is made).
 
     Any client of the rendezvous store (no secret needed) can list, delete or overwrite these keys; a deleted
     decision lets a later member write a second, validly signed one, so members could hold different admitted
@@ -205,9 +206,7 @@ def still_agreed(store: Any, decision: bytes, *, quorum_id: int, members: tuple[
     try:
         if not store.check([decision_key, own_key]):
             return False
-        return (hmac.compare_digest(bytes(store.get(decision_key)), decision)
-                and hmac.compare_digest(bytes(store.get(own_key)),
-                                        authenticator.attestation(quorum_id=quorum_id, members=members, index=index)))
+        return hmac.compare_digest(bytes(store.get(decision_key)), decision)
     except Exception:  # noqa: BLE001 - a store that closed or timed out
         return False
 
