@@ -34,7 +34,7 @@ from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy  # noqa: E402
 
 HOST = "127.0.0.1"  # every service binds loopback unless told otherwise
-SECRET = b"test-run-secret"
+SECRET = b"test-run-secret-of-16+"
 
 
 @pytest.fixture(autouse=True)

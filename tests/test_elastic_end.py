@@ -35,7 +35,7 @@ from gasloc_lightning.comm.run_end import FINAL_STEP, final_step, parse_status_p
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
 
 HOST = "127.0.0.1"
-SECRET = b"test-run-secret"
+SECRET = b"test-run-secret-of-16+"
 
 
 # ---------------------------------------------------------------------------------------------- helpers

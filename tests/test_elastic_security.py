@@ -48,7 +48,7 @@ from gasloc_lightning.comm.wire import sign  # noqa: E402
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
 from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy, ElasticJoinError  # noqa: E402
 
-SECRET = b"the-run-secret"
+SECRET = b"the-run-secret-of-16+"
 HOST = "127.0.0.1"
 
 

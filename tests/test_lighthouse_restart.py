@@ -41,7 +41,7 @@ from gasloc_lightning.comm.membership import ElasticMembership, MembershipError,
 from gasloc_lightning.data import ByteDataModule  # noqa: E402
 
 HOST = "127.0.0.1"
-SECRET = b"test-run-secret"
+SECRET = b"test-run-secret-of-16+"
 
 
 # ------------------------------------------------------------------ pieces (nothing started)

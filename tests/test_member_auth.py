@@ -27,7 +27,7 @@ from gasloc_lightning.comm.membership import Quorum
 from gasloc_lightning.comm.message_auth import MessageAuthenticator, context
 from gasloc_lightning.comm.ring import UnauthenticMessageError, ring_all_reduce_sum
 
-SECRET = b"the-run-secret"
+SECRET = b"the-run-secret-of-16+"
 MEMBERS = ("worker_0000:a", "worker_0001:b", "worker_0002:c")
 
 
@@ -343,7 +343,9 @@ def test_a_gossip_message_whose_tag_fails_is_dropped_and_counted():
     mailbox = Mailbox()
     members = MEMBERS[:2]
     transports = _honest_pair(mailbox, tagged=True, members=members)
-    mailbox.tamper = lambda source, destination, tag, data: data * 2 if (source, tag) == (0, 1000) else data
+    gossip_tag = transports[0].gloo_tag(0)  # the message's tag (the next one carries its keyed tag)
+    assert gossip_tag == transports[1].gloo_tag(0)  # one agreement, the same tags
+    mailbox.tamper = lambda source, destination, tag, data: data * 2 if (source, tag) == (0, gossip_tag) else data
 
     def one(rank):
         pending = transports[rank].post(torch.full((6,), 1.0 + rank), {1 - rank: 0.5}, round_index=3)
@@ -375,7 +377,7 @@ def test_the_strategy_validates_its_authentication_options(arguments, message):
     from gasloc_lightning.strategies.elastic import ElasticGASLoCStrategy
 
     with pytest.raises(ValueError, match=message):
-        ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s", **arguments)
+        ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, secret="s" * 16, **arguments)
 
 
 def test_a_member_that_does_not_attest_is_refused_and_reported_so_the_next_quorum_agrees_again():

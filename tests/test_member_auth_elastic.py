@@ -70,7 +70,7 @@ class Intruder:
         self.membership = ElasticMembership(
             lighthouse=lighthouse, worker_id=9, min_workers=2, state_dict=lambda: {"x": torch.zeros(1)},
             load_state_dict=self.loaded.append, connect_timeout=10, quorum_timeout=5, gossip_timeout=30,
-            transfer_timeout=10, secret=b"a-guess")
+            transfer_timeout=10, secret=b"a-guess-of-16-chars")
 
     def run(self, stop: threading.Event) -> None:
         try:

@@ -58,7 +58,7 @@ def test_a_minority_floor_is_refused_naming_the_opt_out_and_taken_with_it():
 
 @pytest.mark.parametrize("strategy_class", [ElasticGASLoCStrategy, ElasticDiLoCoStrategy])
 def test_the_strategies_default_to_a_majority_and_take_a_minority_only_by_name_with_a_warning(strategy_class):
-    settings = {"lighthouse": f"{HOST}:29510", "worker_id": 0, "max_workers": 4, "secret": "s"}
+    settings = {"lighthouse": f"{HOST}:29510", "worker_id": 0, "max_workers": 4, "secret": "s" * 16}
     assert strategy_class(**settings).min_workers == 3
     with pytest.raises(ValueError, match=r"min_workers=2 is not a majority of 4 .*allow_split_quorum"):
         strategy_class(**settings, min_workers=2)

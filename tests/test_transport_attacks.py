@@ -447,6 +447,31 @@ def test_a_payload_of_shared_or_cyclic_references_is_refused_quickly(build, dead
         wire.check_plain(received, finite=False)
 
 
+@pytest.mark.parametrize("leaf", [0, "tensor"])
+def test_a_shared_long_key_costs_no_memory_per_entry_and_a_too_long_key_is_refused(leaf):
+    """Issue 34's path bomb: torch.save memoizes one long key, so a payload can name it in every path of a long
+    list; a walk that builds path strings eagerly paid the key's length per entry (0.27 MB grew to 256 MB)."""
+    import tracemalloc
+
+    entries = [torch.zeros(1) if leaf == "tensor" else 0] * 20_000
+    payload = wire.dump_state({"k" * 1024: entries})  # wire.MAX_KEY_CHARS, the longest key taken
+    received = wire.load_state(payload)
+    tracemalloc.start()
+    try:
+        wire.check_plain(received, finite=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < len(payload)  # the eager walk: about 20,000 x 1 KB of paths, 500 times the payload
+    bomb = wire.load_state(wire.dump_state({"k" * (256 << 10): [0] * 1000}))
+    with pytest.raises(UnsafePayloadError, match=f"a key of {256 << 10} characters") as refused:
+        wire.check_plain(bomb, finite=False)
+    assert len(str(refused.value)) < 200
+    nested = wire.load_state(wire.dump_state({"x" * 1000: {"y": [torch.full((2,), float("nan"))]}}))
+    with pytest.raises(UnsafePayloadError, match=r"^state\.x{40}\.\.\.\.y\.0: tensor holds non-finite values"):
+        wire.check_plain(nested)  # an error still names the path, each key cut short
+
+
 def test_a_shared_tuple_of_plain_data_passes_as_in_an_optimizer_with_two_param_groups():
     first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW([{"params": first.parameters()}, {"params": second.parameters(), "lr": 0.1}])

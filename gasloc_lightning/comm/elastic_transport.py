@@ -21,6 +21,7 @@ keyed tag; one whose tag fails is dropped like a failed exchange and counted in 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Mapping
@@ -30,7 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gasloc_lightning.comm.member_auth import MemberAuthenticator, MemberCheck, attest, verify_members
+from gasloc_lightning.comm.member_auth import (MemberAuthenticator, MemberCheck, attest, still_agreed, tag_base,
+                                               verify_members)
 from gasloc_lightning.comm.membership import ElasticMembership
 from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, context, tag_bytes, tag_tensor
 from gasloc_lightning.comm.ring import UnauthenticMessageError, ring_all_reduce_sum
@@ -38,9 +40,11 @@ from gasloc_lightning.comm.transport import PendingExchange, TrafficCounters, ri
 
 log = logging.getLogger(__name__)
 
-# torchft's PGTransport uses tags 1, 2, 3+i on the same process group: ours stay clear of them.
-_GOSSIP_TAG = 1000
-_GOSSIP_TAG_TAG = 1003  # a gossip message's keyed tag (the ring uses 1004-1005)
+# torchft's PGTransport uses tags 1, 2, 3+i on the same process group. Ours are tag_base(agreement digest) + these
+# offsets: members whose views of the quorum's agreement differ (a store edited by an attacker) use different tags,
+# so their sends never match each other's receives (a timeout, a failed exchange) instead of a size mismatch
+# (gloo aborts the receiving process on a message longer than the posted receive).
+_GOSSIP, _GOSSIP_TAG, _RING_CHUNK, _RING_TAG = 0, 1, 2, 3
 
 
 class ElasticCollectiveError(RuntimeError):
@@ -77,10 +81,12 @@ class ElasticTransport:
         self.member_auth, self.message_auth = member_auth, message_auth
         self.refused_members = 0  # members left out of the agreed admitted set (once per member and quorum)
         self.unauthentic_messages = 0  # received messages or ring chunks whose tag failed (dropped)
+        self.tampered_agreements = 0  # quorums whose member-auth keys vanished or changed in the store (reported)
         self._quorum_key: tuple | None = None  # the quorum the two below belong to
         self._check: MemberCheck | None = None
         self._collectives = 0  # all-reduces in this quorum: bound into the ring's tags (no replay across them)
         self._silent_reported: set[tuple[str, ...]] = set()  # member sets whose silent members were reported
+        self._digest = b""  # the quorum's agreement digest: its gloo tags and the ring's tag context come from it
         if member_auth is not None and hasattr(membership, "on_quorum_group"):  # attest as each quorum's group forms
             membership.on_quorum_group(self._attest)
 
@@ -100,26 +106,51 @@ class ElasticTransport:
         key = (quorum.quorum_id, quorum.members)
         if key != self._quorum_key:
             self._quorum_key, self._check, self._collectives = key, None, 0
+            self._digest = hashlib.sha256(context("agreement", quorum.quorum_id, *quorum.members)).digest()
         if self.member_auth is None or not quorum.usable or quorum.size <= 1:
             return tuple(range(quorum.size))
+        store = getattr(self.membership.process_group, "quorum_store", None)
         if self._check is None:
-            self._check = verify_members(getattr(self.membership.process_group, "quorum_store", None),
-                                         quorum_id=quorum.quorum_id, members=quorum.members, index=quorum.index,
-                                         authenticator=self.member_auth, timeout=self.timeout)
+            self._check = verify_members(store, quorum_id=quorum.quorum_id, members=quorum.members,
+                                         index=quorum.index, authenticator=self.member_auth, timeout=self.timeout)
             self.refused_members += len(self._check.refused)
-            if self._check.left_out:  # an honest member is never left out for good: the next quorum agrees again
-                self.error = self.error or RuntimeError(
-                    f"{self.membership.name} is not in this quorum's agreed member set (it attested too late)")
-            elif self._check.unanswered and quorum.members not in self._silent_reported:
-                # Maybe an honest member that was slow: reported (the next quorum agrees again), but once per
-                # member set: a member that never attests (an intruder) would else cost a new quorum and a
-                # wait every round; the second time the same members meet, the silent ones stay
-                # refused for that quorum's life and the others exchange.
-                self._silent_reported.add(quorum.members)
-                missing = ",".join(quorum.names[i] for i in self._check.unanswered)
-                self.error = self.error or RuntimeError(
-                    f"not in this quorum's agreed member set (no attestation in time): {missing}")
+            self._digest = self._check.digest(quorum.members)
+            if self._check.tampered:
+                self.tampered_agreements += 1
+        elif self._check.decision and not still_agreed(store, self._check.decision, quorum_id=quorum.quorum_id,
+                                                       members=quorum.members, index=quorum.index,
+                                                       authenticator=self.member_auth):
+            log.warning("member-auth keys tampered with quorum_id=%d worker=%s: the agreed decision or this "
+                        "worker's attestation vanished or changed in the store", quorum.quorum_id,
+                        self.membership.name)
+            self.tampered_agreements += 1  # this quorum's exchanges fail from now on: it exchanges with nobody
+            self._check = MemberCheck(quorum_id=quorum.quorum_id, admitted=(quorum.index,),
+                                      refused=tuple(i for i in range(quorum.size) if i != quorum.index),
+                                      left_out=True, tampered=True)
+            self._digest = self._check.digest(quorum.members)
+        least = max(2, getattr(self.membership, "min_workers", 1) or 1)
+        if self._check.tampered:  # reported at every use: never a quiet worker training alone
+            self.error = self.error or RuntimeError(
+                f"{self.membership.name}: this quorum's member-auth keys were tampered with in the rendezvous "
+                "store (a decision or attestation vanished or changed): its exchanges fail")
+        elif self._check.left_out:  # an honest member is never left out for good: the next quorum agrees again
+            self.error = self.error or RuntimeError(
+                f"{self.membership.name} is not in this quorum's agreed member set (it attested too late)")
+        elif self._check.unanswered and (len(self._check.admitted) < least
+                                         or quorum.members not in self._silent_reported):
+            # Maybe an honest member that was slow: reported (the next quorum agrees again). Once per member set
+            # while enough members remain admitted (a member that never attests, an intruder, would else cost a
+            # new quorum every round); at every use when fewer than max(2, min_workers) remain: a worker must
+            # never quietly train alone.
+            self._silent_reported.add(quorum.members)
+            missing = ",".join(quorum.names[i] for i in self._check.unanswered)
+            self.error = self.error or RuntimeError(
+                f"not in this quorum's agreed member set (no attestation in time): {missing}")
         return self._check.admitted
+
+    def gloo_tag(self, offset: int) -> int:
+        """The gloo tag of one use (``_GOSSIP`` ...) in this quorum under its agreement (see :func:`tag_base`)."""
+        return tag_base(self._digest) + offset
 
     def _attest(self, store: Any, quorum_id: int, members: tuple[str, ...], index: int) -> None:
         attest(store, quorum_id=quorum_id, members=members, index=index, authenticator=self.member_auth)
@@ -160,9 +191,10 @@ class ElasticTransport:
                 continue
             try:  # every receive and send is posted before any wait (a triangle cannot deadlock); the receive
                 # first, so both directions flow at once (see transport._RECV_FIRST)
-                works = [pg.recv([self.receive_buffer(slot)], peer, _GOSSIP_TAG), pg.send([message], peer, _GOSSIP_TAG)]
+                gossip = self.gloo_tag(_GOSSIP)
+                works = [pg.recv([self.receive_buffer(slot)], peer, gossip), pg.send([message], peer, gossip)]
                 if self.message_auth is not None:
-                    works.append(pg.recv([self.tag_buffer(slot)], peer, _GOSSIP_TAG_TAG))
+                    works.append(pg.recv([self.tag_buffer(slot)], peer, self.gloo_tag(_GOSSIP_TAG)))
                     tagged.append((peer, works))
             except Exception as error:  # an unconfigured group raises AssertionError
                 works = [_FailedWork(error)]
@@ -172,14 +204,15 @@ class ElasticTransport:
             for peer, works in tagged:
                 tag = tag_tensor(self.message_auth.seal(leaves, self._gossip_use(round_index, quorum.index, peer)))
                 try:
-                    works.append(pg.send([tag], peer, _GOSSIP_TAG_TAG))
+                    works.append(pg.send([tag], peer, self.gloo_tag(_GOSSIP_TAG)))
                 except Exception as error:  # noqa: BLE001
                     works.append(_FailedWork(error))
         return pending
 
     def _gossip_use(self, round_index: int, sender: int, receiver: int) -> bytes:
         quorum = self.membership.quorum
-        return context("gossip", quorum.quorum_id, round_index, quorum.members[sender], quorum.members[receiver])
+        return context("gossip", quorum.quorum_id, self._digest, round_index, quorum.members[sender],
+                       quorum.members[receiver])
 
     def complete(self, pending: PendingExchange) -> tuple[list[tuple[float, Tensor]], list[int]]:
         """Wait for each peer; returns the ``(w_ij, u_j)`` pairs and the peers that completed.
@@ -288,7 +321,9 @@ class ElasticTransport:
         else:
             ring_all_reduce_sum(self.membership.process_group, tensor, ring=ring, rank=quorum.index,
                                 deadline=time.monotonic() + self.timeout, authenticator=self.message_auth,
-                                use=context("all-reduce", quorum.quorum_id, self._collectives))
+                                use=context("all-reduce", quorum.quorum_id, *quorum.members, self._digest,
+                                            self._collectives),
+                                tags=(self.gloo_tag(_RING_CHUNK), self.gloo_tag(_RING_TAG)))
         return ring
 
 

@@ -7,16 +7,23 @@ torchft's process group was just configured with: every member reached it moment
 so no gloo operation is ever left pending):
 
 1. **Attest.** Each member writes ``HMAC(key, "attest", quorum id, the quorum's sorted replica ids, its index)``
-   under a key whose name is itself a MAC of (quorum id, replica ids, index): a host without the secret can
-   neither name, read in advance, nor write another member's attestation, and its own cannot exist. A worker
+   under a key whose name is itself a MAC of (quorum id, replica ids, index). The name hides nothing: any client
+   of the store (no secret, not even a member) can list, read, overwrite and delete every key; but it cannot
+   write an attestation that verifies, so its own cannot exist. A worker
    attests (:func:`attest`) as soon as the quorum's gloo group is configured, a rendezvous every member completes
    together before any heal, so a joiner healing over a slow link has attested long before its first exchange.
 2. **Agree.** Each member waits for every member's attestation, or until its deadline. The first member to get
    there writes a signed decision, ``HMAC(key, "decision", quorum id, replica ids, admitted) || admitted``, with
-   the store's atomic ``compare_set``: one decision is ever written for a quorum, and every member (the slow ones
-   included, however late they arrive) reads that same decision. So all honest members hold the *same* admitted
-   set: an honest member that was too slow to attest is left out by every member alike (it then exchanges with
-   nobody, reports, and the next quorum agrees again), never by some of them only.
+   the store's atomic ``compare_set``: unless a store client deletes it, one decision is written for a quorum,
+   and every member (the slow ones included, however late they arrive) reads that same decision. So honest
+   members hold the *same* admitted set: an honest member that was too slow to attest is left out by every
+   member alike (it then exchanges with nobody, reports, and the next quorum agrees again).
+3. **Keep checking.** A deleted decision lets a later member write a second, validly signed one, so members
+   could hold different sets. Each member reads the decision and its own attestation back at its first use and
+   before each later exchange (:func:`still_agreed`): a vanished or changed one is tampering (reported, the
+   quorum's exchanges fail). And the quorum's gloo tags derive from the agreement (:meth:`MemberCheck.digest`,
+   :func:`tag_base`), so members whose views differ never match each other's sends and receives: a timeout, a
+   failed exchange, never gloo's abort on a message longer than the posted receive.
 
 Why no nonce, as a challenge-response would have: an attestation names its quorum and the whole member list
 (torchft's replica ids carry a fresh uuid per process) and its author's index, and an honest member only ever
@@ -25,9 +32,11 @@ process that wrote it, in the quorum it was written for. What is proven is the r
 at that rank; a host that registers with an honest member's replica id could race it for that rank in the
 (unauthenticated) rendezvous: ``docs/security.md`` lists that as not protected.
 
-The store's host (the quorum's first member) sees the key names and values and could withhold or swap them: it
-cannot forge an attestation or a decision, so at worst the members admit fewer peers or fail the quorum's first
-exchange, which is reported (the host of the rendezvous can break the quorum anyway).
+Any client of the store (its host, any member, any host that reaches its port) sees the key names and values and
+can withhold, delete or swap them: it cannot forge an attestation or a decision, so at worst the members admit
+fewer peers, or hold different views and fail the quorum's exchanges, which is reported every time. The keys of a
+replaced quorum are left in the store: torchft builds each quorum's store prefix anew, and the store lives on
+the quorum's first member, so they go when that process does (a few hundred bytes per quorum).
 
 Nothing here imports Lightning.
 """
@@ -45,7 +54,7 @@ from gasloc_lightning.comm.message_auth import context
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemberAuthenticator", "MemberCheck", "attest", "verify_members"]
+__all__ = ["TAG_SPAN", "MemberAuthenticator", "MemberCheck", "attest", "still_agreed", "tag_base", "verify_members"]
 
 ATTESTATION_BYTES = 32
 _LABEL = b"gasloc member-auth v2"
@@ -91,8 +100,12 @@ class MemberAuthenticator:
         mac, body = value[:ATTESTATION_BYTES], value[ATTESTATION_BYTES:]
         if not hmac.compare_digest(mac, self._mac("decision", quorum_id, *members, body)):
             return None
-        admitted = tuple(int(part) for part in body.decode("ascii").split(","))  # signed: written by a member
-        return admitted if list(admitted) == sorted(set(admitted)) and admitted[-1] < len(members) else None
+        try:  # signed, so written by a member, but parsed defensively: a malformed body is refused, never raised
+            admitted = tuple(int(part) for part in body.decode("ascii").split(","))
+        except ValueError:  # UnicodeDecodeError included
+            return None
+        return admitted if list(admitted) == sorted(set(admitted)) and 0 <= admitted[0] and admitted[-1] < len(
+            members) else None
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,24 @@ class MemberCheck:
     refused: tuple[int, ...]
     unanswered: tuple[int, ...] = ()
     left_out: bool = False  # this worker is not in the agreed set (or there is none): it exchanges with nobody
+    decision: bytes = b""  # the signed decision agreed on (b"": none): its digest picks the quorum's gloo tags
+    tampered: bool = False  # the decision or this worker's attestation vanished or changed in the store
+
+    def digest(self, members: tuple[str, ...]) -> bytes:
+        """What every member holding this same agreement (decision, quorum, members) derives alike: the quorum's
+        gloo tags come from it (:func:`tag_base`), so members whose views differ never match each other's sends."""
+        return hashlib.sha256(context("agreement", self.quorum_id, *members, self.decision,
+                                      *self.admitted)).digest()
+
+
+TAG_SPAN = 8  # gloo tags one agreement uses: tag_base(...) + 0 .. TAG_SPAN - 1
+_TAG_FLOOR, _TAG_SLOTS = 1 << 24, 1 << 26  # clear of torchft's PGTransport tags (1, 2, 3 + i); below 2**31
+
+
+def tag_base(digest: bytes) -> int:
+    """The first of :data:`TAG_SPAN` gloo tags for one agreement: a 26-bit slice of its digest, so two different
+    agreements in one group pick the same tags with odds 2**-26, and a tag stays within gloo's (u)int32 range."""
+    return _TAG_FLOOR + TAG_SPAN * (int.from_bytes(digest[:4], "big") % _TAG_SLOTS)
 
 
 def attest(store: Any, *, quorum_id: int, members: tuple[str, ...], index: int,
@@ -143,6 +174,12 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
                     str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__)
         value = b""
     agreed = authenticator.open_decision(value, quorum_id=quorum_id, members=members)
+    tampered = agreed is not None and not still_agreed(store, value, quorum_id=quorum_id, members=members,
+                                                       index=index, authenticator=authenticator)
+    if tampered:
+        log.warning("member-auth keys tampered with quorum_id=%d worker=%s: the decision or this worker's "
+                    "attestation vanished or changed in the store", quorum_id, me.split(":")[0])
+        agreed = None
     admitted = agreed if agreed is not None and index in agreed else (index,)
     refused = tuple(peer for peer in range(n) if peer not in admitted)
     reason = ("no valid decision" if agreed is None else "not in the agreed set" if index in agreed
@@ -151,7 +188,27 @@ def verify_members(store: Any, *, quorum_id: int, members: tuple[str, ...], inde
         log.warning("member refused quorum_id=%d member=%s worker=%s reason=%s", quorum_id,
                     members[peer].split(":")[0], me.split(":")[0], reason)
     return MemberCheck(quorum_id=quorum_id, admitted=admitted, refused=refused, unanswered=refused,
-                       left_out=agreed is None or index not in agreed)
+                       left_out=agreed is None or index not in agreed, decision=value if agreed else b"",
+                       tampered=tampered)
+
+
+def still_agreed(store: Any, decision: bytes, *, quorum_id: int, members: tuple[str, ...], index: int,
+                 authenticator: MemberAuthenticator) -> bool:
+    """Whether the store still holds ``decision`` unchanged, and this worker's attestation (two store round trips:
+    a ``check`` of both keys, a ``get`` of the decision; an attestation matters only until the decision is made).
+
+    Any client of the rendezvous store (no secret needed) can list, delete or overwrite these keys; a deleted
+    decision lets a later member write a second, validly signed one, so members could hold different admitted
+    sets. A worker reads both back at its first use and before each exchange: a vanished or changed key is
+    tampering (reported, the quorum's exchanges fail), and a store that fails the read counts as such too."""
+    decision_key = authenticator.key_name(quorum_id=quorum_id, members=members)
+    own_key = authenticator.key_name(quorum_id=quorum_id, members=members, index=index)
+    try:
+        if not store.check([decision_key, own_key]):
+            return False
+        return hmac.compare_digest(bytes(store.get(decision_key)), decision)
+    except Exception:  # noqa: BLE001 - a store that closed or timed out
+        return False
 
 
 def _agree(store: Any, keys: list[str], decision_key: str, deadline: float, decide: Any) -> bytes:

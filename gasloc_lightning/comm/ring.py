@@ -37,7 +37,8 @@ class UnauthenticMessageError(RuntimeError):
 
 
 def ring_all_reduce_sum(pg: Any, tensor: Tensor, *, ring: tuple[int, ...], rank: int, deadline: float,
-                        authenticator: MessageAuthenticator | None = None, use: bytes = b"") -> Tensor:
+                        authenticator: MessageAuthenticator | None = None, use: bytes = b"",
+                        tags: tuple[int, int] = (RING_CHUNK_TAG, RING_TAG_TAG)) -> Tensor:
     """In-place sum of ``tensor`` over the ranks in ``ring`` (sorted, ``rank`` among them) of ``pg``.
 
     Args:
@@ -48,6 +49,9 @@ def ring_all_reduce_sum(pg: Any, tensor: Tensor, *, ring: tuple[int, ...], rank:
         deadline: ``time.monotonic()`` by which the whole all-reduce must be done (then a ``RuntimeError``).
         authenticator: tags every chunk sent and checks every chunk received (``None``: no tags).
         use: what this all-reduce is (a :func:`~gasloc_lightning.comm.message_auth.context`), bound into the tags.
+        tags: the gloo tags of the chunks and of their keyed tags. Members that disagree on the ring must use
+            different ones (ElasticTransport derives them from the agreement): gloo aborts the process that
+            receives a chunk longer than its posted receive, and chunk sizes follow from ``len(ring)``.
 
     Raises :class:`UnauthenticMessageError` on a tag that does not check, ``RuntimeError`` on a failed or late
     hop; ``tensor`` is then undefined (callers restore it).
@@ -65,23 +69,23 @@ def ring_all_reduce_sum(pg: Any, tensor: Tensor, *, ring: tuple[int, ...], rank:
     for step in range(n - 1):  # reduce-scatter: chunk (position - step) leaves, (position - step - 1) arrives
         incoming = scratch[: chunk(position - step - 1).numel()]
         _hop(pg, chunk(position - step), incoming, right, left, deadline, authenticator,
-             (use, "reduce", step), rank)
+             (use, "reduce", step), rank, tags)
         chunk(position - step - 1).add_(incoming)
     for step in range(n - 1):  # all-gather: the owned sums travel on unchanged
         _hop(pg, chunk(position + 1 - step), chunk(position - step), right, left, deadline, authenticator,
-             (use, "gather", step), rank)
+             (use, "gather", step), rank, tags)
     return tensor
 
 
 def _hop(pg: Any, outgoing: Tensor, incoming: Tensor, right: int, left: int, deadline: float,
-         authenticator: MessageAuthenticator | None, where: tuple, me: int) -> None:
+         authenticator: MessageAuthenticator | None, where: tuple, me: int, tags: tuple[int, int]) -> None:
     """Send ``outgoing`` right and receive ``incoming`` from the left (each with its tag), under the deadline."""
-    works = [pg.recv([incoming], left, RING_CHUNK_TAG), pg.send([outgoing], right, RING_CHUNK_TAG)]
+    works = [pg.recv([incoming], left, tags[0]), pg.send([outgoing], right, tags[0])]
     tag_in = torch.zeros(TAG_BYTES, dtype=torch.uint8)
     if authenticator is not None:  # the sender hashes while its chunk is on the wire
-        works.append(pg.recv([tag_in], left, RING_TAG_TAG))
+        works.append(pg.recv([tag_in], left, tags[1]))
         tag_out = tag_tensor(authenticator.tag(outgoing, context(*where, me, right)))
-        works.append(pg.send([tag_out], right, RING_TAG_TAG))
+        works.append(pg.send([tag_out], right, tags[1]))
     failure = None
     for work in works:  # wait for every op even after a failure: none is left half posted
         try:

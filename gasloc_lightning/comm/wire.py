@@ -30,7 +30,12 @@ from typing import Any
 import torch
 
 SECRET_ENV = "GASLOC_ELASTIC_SECRET"
+# Anyone who reaches a quorum's rendezvous store can list it and read the member-auth MACs: with them a weak secret
+# can be guessed offline. The elastic strategies refuse a shorter one (new_secret makes 64 hex characters).
+MIN_SECRET_BYTES = 16
 PLAIN_TYPES = (type(None), bool, int, float, str)
+MAX_KEY_CHARS = 1024  # longest dict key check_plain takes (a parameter's name is far shorter)
+_SHOWN_KEY_CHARS = 40  # what an error message shows of one key
 
 
 class UnsafePayloadError(ValueError):
@@ -206,9 +211,14 @@ def check_plain(state: Any, *, path: str = "state", finite: bool = True) -> None
             (``ReduceLROnPlateau`` keeps ``mode_worse=inf``).
 
     Raises:
-        UnsafePayloadError: naming the first offending path.
+        UnsafePayloadError: naming the first offending path (each key cut to 40 characters), or a dict key
+            longer than :data:`MAX_KEY_CHARS`.
+
+    A path is kept as a link to its parent's and rendered only in an error: a payload may share one long key
+    (torch.save memoizes it) among many entries, and building every path string eagerly would cost that key's
+    length per entry (issue 34's path bomb: 0.27 MB to 256 MB). So memory stays proportional to the payload.
     """
-    for leaf_path, leaf in _leaves(state, path):
+    for leaf_path, leaf in _leaves(state, _Path(None, path)):
         _check_leaf(leaf_path, leaf, finite)
 
 
@@ -262,7 +272,24 @@ def _check_same_kind(path: str, got: Any, want: Any) -> None:
         raise UnsafePayloadError(f"{path}: {type(got).__name__} expected plain data")
 
 
-def _leaves(state: Any, path: str):
+class _Path:
+    """A path in a state, as a link to its parent: rendered (keys cut short) only when an error names it."""
+
+    __slots__ = ("parent", "key")
+
+    def __init__(self, parent: _Path | None, key: Any) -> None:
+        self.parent, self.key = parent, key
+
+    def __str__(self) -> str:
+        parts, link = [], self
+        while link is not None:
+            text = str(link.key)
+            parts.append(text if len(text) <= _SHOWN_KEY_CHARS else text[:_SHOWN_KEY_CHARS] + "...")
+            link = link.parent
+        return ".".join(reversed(parts))
+
+
+def _leaves(state: Any, path: _Path):
     # Iterative so that a deeply nested payload fails a check instead of the interpreter's recursion limit.
     # torch.save keeps shared references and torch.load(weights_only=True) rebuilds them, so a payload of a few KB
     # can be a graph of 2^60 paths (each list holding the previous one twice) or a list that holds itself: a walk
@@ -270,32 +297,56 @@ def _leaves(state: Any, path: str):
     # second time is refused, except a tuple of plain data only (an optimizer's param groups share the one
     # `betas` tuple of its defaults): it holds no container, so sharing it cannot multiply anything, and it was
     # already checked, so it is skipped.
+    # The walk keeps one iterator per open container (memory grows with depth, not with the number of entries),
+    # and plain entries, which always pass, are skipped without a path link of their own.
     seen: set[int] = set()
     flat: set[int] = set()
-    stack = [(path, state)]
-    while stack:
-        here, node = stack.pop()
-        if isinstance(node, (dict, list, tuple)):
-            if id(node) in seen:
-                if id(node) in flat:
-                    continue
-                raise UnsafePayloadError(f"{here}: a {type(node).__name__} reached a second time (a shared or "
-                                         "cyclic reference, which a worker's state holds only as tuples of plain data)")
-            seen.add(id(node))
+    stack: list[tuple[_Path, Any, Any]] = []  # (path of a container, the container, an iterator over its keys)
+
+    def enter(here: _Path, node: Any) -> Any:  # a leaf to yield, or None (a container: now on the stack)
+        if not isinstance(node, (dict, list, tuple)):
+            return node
+        if id(node) in seen:
+            if id(node) in flat:
+                return None
+            raise UnsafePayloadError(f"{here}: a {type(node).__name__} reached a second time (a shared or "
+                                     "cyclic reference, which a worker's state holds only as tuples of plain data)")
+        seen.add(id(node))
         if isinstance(node, dict):
             for key in node:
                 if type(key) not in PLAIN_TYPES:
                     raise UnsafePayloadError(f"{here}: key of type {type(key).__name__}, expected plain data")
-            stack.extend((f"{here}.{key}", node[key]) for key in reversed(list(node)))
-        elif isinstance(node, (list, tuple)):
+                if type(key) is str and len(key) > MAX_KEY_CHARS:
+                    raise UnsafePayloadError(f"{here}: a key of {len(key)} characters (at most {MAX_KEY_CHARS})")
+            stack.append((here, node, iter(list(node))))
+        else:
             if type(node) is tuple and all(type(item) in PLAIN_TYPES for item in node):
                 flat.add(id(node))
-            stack.extend((f"{here}.{index}", item) for index, item in reversed(list(enumerate(node))))
-        else:
-            yield here, node
+            stack.append((here, node, iter(range(len(node)))))
+        return None
+
+    if not isinstance(state, (dict, list, tuple)):
+        yield path, state
+        return
+    enter(path, state)
+    while stack:
+        here, node, keys = stack[-1]
+        key = next(keys, _WALK_END)
+        if key is _WALK_END:
+            stack.pop()
+            continue
+        item = node[key]
+        if type(item) in PLAIN_TYPES:
+            continue
+        link = _Path(here, key)
+        if enter(link, item) is not None:
+            yield link, item
 
 
-def _check_leaf(path: str, leaf: Any, finite: bool) -> None:
+_WALK_END = object()
+
+
+def _check_leaf(path: str | _Path, leaf: Any, finite: bool) -> None:
     if type(leaf) in PLAIN_TYPES:
         return
     if type(leaf) not in (torch.Tensor, torch.nn.Parameter) or leaf.layout != torch.strided:

@@ -75,7 +75,8 @@ from gasloc_lightning.comm.message_auth import MessageAuthenticator
 from gasloc_lightning.comm.quorum_floor import SplitQuorumWarning, is_split_quorum, quorum_floor, split_warning
 from gasloc_lightning.comm.run_end import is_final
 from gasloc_lightning.comm.state_apply import StateApplyError, StatePart, apply_all_or_nothing
-from gasloc_lightning.comm.wire import UnsafePayloadError, check_like, check_plain, run_secret
+from gasloc_lightning.comm.wire import (MIN_SECRET_BYTES, UnsafePayloadError, check_like, check_plain,
+                                        run_secret)
 from gasloc_lightning.strategies.callbacks import GASLoCCallback
 from gasloc_lightning.strategies.final_average import FAULT_POINTS, FinalAverage
 from gasloc_lightning.strategies.gasloc import GASLoCStrategy
@@ -212,6 +213,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         if key is None:
             raise ValueError("secret: the run's secret is missing: pass secret=... or set the environment variable "
                              "GASLOC_ELASTIC_SECRET on every worker (gasloc-elastic does it; see docs/security.md)")
+        if len(key) < MIN_SECRET_BYTES:
+            raise ValueError(f"secret: the run's secret (secret=... or GASLOC_ELASTIC_SECRET) has {len(key)} bytes, "
+                             f"at least {MIN_SECRET_BYTES} are needed: anyone who reaches a quorum's store reads MACs "
+                             "made with it and can test guesses offline. gasloc-elastic makes one (64 hex characters); "
+                             "else use e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
         super().__init__(gossip_timeout=gossip_timeout, **kwargs)
         self._min_workers, self._max_workers = min_workers, max_workers
         self._leave_grace_s = float(leave_grace_s)
@@ -283,6 +289,11 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
     def refused_members(self) -> int:
         """Quorum members left out of the agreed admitted set (once per member and quorum): no secret, or too slow."""
         return self._transport.refused_members if isinstance(self._transport, ElasticTransport) else 0
+
+    @property
+    def tampered_agreements(self) -> int:
+        """Quorums whose member-auth keys vanished or changed in the rendezvous store (reported; exchanges failed)."""
+        return self._transport.tampered_agreements if isinstance(self._transport, ElasticTransport) else 0
 
     @property
     def unauthentic_messages(self) -> int:
@@ -831,6 +842,8 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
         self._restore_sigterm_handler()
         if self._membership is not None:
             self._membership.shutdown()
+        if isinstance(self._transport, ElasticTransport) and self._transport.message_auth is not None:
+            self._transport.message_auth.close()  # its hashing threads (a later tag starts them again)
         self._reset_boundary_state()  # a later validate/test evaluates locally and forms no quorum
         super().teardown()
 
@@ -934,7 +947,7 @@ _HEAL_METRICS = {"served": "heal/served_requests", "refused": "heal/refused_requ
 class ElasticMetricsCallback(Callback):
     """Logs ``elastic/quorum_size``, ``elastic/membership_changes``, ``elastic/lineage_merges``,
     ``comm/failed_exchanges``, ``comm/failed_collectives``, ``comm/refused_members``,
-    ``comm/unauthentic_messages`` and the heal server's counters (``heal/served_requests``,
+    ``comm/unauthentic_messages``, ``comm/tampered_agreements`` and the heal server's counters (``heal/served_requests``,
     ``heal/refused_requests``, ``heal/aborted_requests``, ``heal/not_staged_requests``,
     ``heal/log_lines_suppressed``) every step."""
 
@@ -951,6 +964,7 @@ class ElasticMetricsCallback(Callback):
             "comm/failed_collectives": float(strategy.failed_collectives),
             "comm/refused_members": float(strategy.refused_members),
             "comm/unauthentic_messages": float(strategy.unauthentic_messages),
+            "comm/tampered_agreements": float(strategy.tampered_agreements),
             **{_HEAL_METRICS[name]: float(count) for name, count in strategy.membership.heal_server_counters.items()},
         }, on_step=True, on_epoch=False, rank_zero_only=True)
 
