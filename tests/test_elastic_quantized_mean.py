@@ -34,7 +34,7 @@ from gasloc_lightning.comm.message_auth import MessageAuthenticator  # noqa: E40
 from gasloc_lightning.strategies.elastic import ElasticDiLoCoStrategy, ElasticGASLoCStrategy  # noqa: E402
 
 HOST = "127.0.0.1"
-SECRET = b"test-run-secret"
+SECRET = b"test-run-secret-16"
 NUMEL = 1000  # not a multiple of 3 members x the codec's block: padded chunks
 GATE = 60.0  # a failure deadline only
 
@@ -153,7 +153,7 @@ def test_a_member_that_dies_before_its_part_fails_the_mean_on_every_other_member
 
 
 def _elastic(cls, **arguments):
-    return cls(lighthouse=f"{HOST}:29510", worker_id=0, secret="s", **arguments)
+    return cls(lighthouse=f"{HOST}:29510", worker_id=0, secret="s" * 16, **arguments)
 
 
 @pytest.mark.parametrize("arguments, message", [

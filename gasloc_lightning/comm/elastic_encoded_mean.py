@@ -47,11 +47,11 @@ from gasloc_lightning.comm.encoded_mean import EncodedAllReduce
 from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, context, tag_bytes, tag_tensor
 from gasloc_lightning.comm.ring import UnauthenticMessageError
 
-__all__ = ["ENCODED_CHUNK_TAG", "ENCODED_TAG_TAG", "ElasticEncodedMean", "PendingElasticMean", "QuantizedRoundMean"]
+__all__ = ["ENCODED_CHUNK", "ENCODED_TAG", "ElasticEncodedMean", "PendingElasticMean", "QuantizedRoundMean"]
 
-# Clear of torchft's PGTransport tags (1, 2, 3+i) and of the other elastic tags (gossip 1000/1003, member
-# authentication 1001-1002, the ring 1004-1005).
-ENCODED_CHUNK_TAG, ENCODED_TAG_TAG = 1010, 1011
+# Offsets of this mean's gloo tags from the quorum agreement's tag base (``ElasticTransport.gloo_tag``: the gossip
+# and the ring use 0-3): members whose views of the agreement differ never match each other's sends and receives.
+ENCODED_CHUNK, ENCODED_TAG = 4, 5
 
 
 @dataclass
@@ -123,9 +123,11 @@ class ElasticEncodedMean:
         buffers = self._free.pop((tensor.numel(), len(ring)), None) or EncodedAllReduce(
             self.message_codec, tensor.numel(), len(ring), tensor.device)
         buffers.encode(tensor)
-        use = context("encoded-mean", quorum.quorum_id, round_index, self._means)
+        use = context("encoded-mean", quorum.quorum_id, *quorum.members, transport.agreement_digest, round_index,
+                      self._means)
+        tags = (transport.gloo_tag(ENCODED_CHUNK), transport.gloo_tag(ENCODED_TAG))
         job = (transport.membership.process_group, buffers, ring, quorum.index, deadline, transport.message_auth,
-               use, tensor)
+               use, tags, tensor)
         threading.Thread(target=_run, args=(future, job), name="gasloc-elastic-encoded-mean", daemon=True).start()
         return PendingElasticMean(tensor, future, deadline, len(ring), buffers.volume, buffers)
 
@@ -178,42 +180,43 @@ def _run(future: Future, job: tuple) -> None:
 
 
 def exchange_encoded(pg: Any, buffers: EncodedAllReduce, ring: tuple[int, ...], rank: int, deadline: float,
-                     authenticator: MessageAuthenticator | None, use: bytes) -> None:
+                     authenticator: MessageAuthenticator | None, use: bytes, tags: tuple[int, int]) -> None:
     """Phase 2 of :class:`~gasloc_lightning.comm.encoded_mean.EncodedAllReduce` between the members ``ring``
     (sorted quorum indices, ``rank`` among them), point to point: every encoded chunk to its owner, the owner's
-    reduction, every chunk's mean to every member. Raises ``RuntimeError`` on a failed or late operation,
+    reduction, every chunk's mean to every member, on the gloo ``tags`` (chunks, their keyed hashes). Raises ``RuntimeError`` on a failed or late operation,
     :class:`~gasloc_lightning.comm.ring.UnauthenticMessageError` on a chunk whose tag fails."""
     position = ring.index(rank)
     incoming = buffers.incoming
     incoming[position].copy_(buffers.outgoing[position])  # this member's own share of the chunk it owns
     _swap(pg, {q: buffers.outgoing[q] for q in range(len(ring)) if q != position},
           {q: incoming[q] for q in range(len(ring)) if q != position}, ring, position, deadline, authenticator,
-          (use, "scatter"))
+          (use, "scatter"), tags)
     own = buffers.reduce_owned()
     gathered = buffers.gathered
     gathered[position].copy_(own)
     _swap(pg, {q: own for q in range(len(ring)) if q != position},
           {q: gathered[q] for q in range(len(ring)) if q != position}, ring, position, deadline, authenticator,
-          (use, "gather"))
+          (use, "gather"), tags)
 
 
 def _swap(pg: Any, outgoing: dict[int, Tensor], incoming: dict[int, Tensor], ring: tuple[int, ...], position: int,
-          deadline: float, authenticator: MessageAuthenticator | None, where: tuple) -> None:
+          deadline: float, authenticator: MessageAuthenticator | None, where: tuple, tags: tuple[int, int]) -> None:
     """Send ``outgoing[q]`` to member q and receive ``incoming[q]`` from it, for every q (ring positions), every
     operation posted before any is waited on (the receives first); then check the tags."""
     me = ring[position]
+    chunk_tag, hash_tag = tags
     works, tags_in = [], {}
     for q in sorted(incoming):
-        works.append(pg.recv([incoming[q]], ring[q], ENCODED_CHUNK_TAG))
+        works.append(pg.recv([incoming[q]], ring[q], chunk_tag))
         if authenticator is not None:
             tags_in[q] = torch.zeros(TAG_BYTES, dtype=torch.uint8)
-            works.append(pg.recv([tags_in[q]], ring[q], ENCODED_TAG_TAG))
+            works.append(pg.recv([tags_in[q]], ring[q], hash_tag))
     for q in sorted(outgoing):
-        works.append(pg.send([outgoing[q]], ring[q], ENCODED_CHUNK_TAG))
+        works.append(pg.send([outgoing[q]], ring[q], chunk_tag))
     if authenticator is not None:  # hashed while the chunks travel
         for q in sorted(outgoing):
             tag = tag_tensor(authenticator.tag(outgoing[q], context(*where, me, ring[q])))
-            works.append(pg.send([tag], ring[q], ENCODED_TAG_TAG))
+            works.append(pg.send([tag], ring[q], hash_tag))
     failure = None
     for work in works:  # wait for every op even after a failure: none is left half posted
         try:

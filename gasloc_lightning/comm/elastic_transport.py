@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # offsets: members whose views of the quorum's agreement differ (a store edited by an attacker) use different tags,
 # so their sends never match each other's receives (a timeout, a failed exchange) instead of a size mismatch
 # (gloo aborts the receiving process on a message longer than the posted receive).
+# (The elastic DiLoCo's quantized mean, comm/elastic_encoded_mean.py, uses offsets 4 and 5; TAG_SPAN is 8.)
 _GOSSIP, _GOSSIP_TAG, _RING_CHUNK, _RING_TAG = 0, 1, 2, 3
 
 
@@ -147,6 +148,12 @@ class ElasticTransport:
             self.error = self.error or RuntimeError(
                 f"not in this quorum's agreed member set (no attestation in time): {missing}")
         return self._check.admitted
+
+    @property
+    def agreement_digest(self) -> bytes:
+        """The digest of this quorum's agreement as this worker sees it (after :meth:`admitted`): bound into the
+        tags' contexts and the gloo tags of every exchange in the quorum."""
+        return self._digest
 
     def gloo_tag(self, offset: int) -> int:
         """The gloo tag of one use (``_GOSSIP`` ...) in this quorum under its agreement (see :func:`tag_base`)."""
