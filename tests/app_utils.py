@@ -64,7 +64,7 @@ def run_app(args: list[str], cwd: Path, timeout: float = 400, executable: list[s
 
 
 def finished_sweep(tmp_path_factory) -> Path:
-    """A real 2-job x 2-worker sweep (diloco, ddp), run once per session; returns its folder.
+    """A real 2-job x 2-worker sweep (diloco, ddp) with ``logger=tensorboard``, run once per session; returns its folder.
 
     A sweep that failed is not run again for the next test that asks: each gets the first failure at once (a
     timed-out sweep used to cost its 400 s once per test)."""
@@ -74,7 +74,7 @@ def finished_sweep(tmp_path_factory) -> Path:
         root = tmp_path_factory.mktemp("sweep_cwd")
         sweep_dir = root / "sweep"
         cache_dir = shared_cache_dir(tmp_path_factory)
-        args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, f"cache_dir={cache_dir}",
+        args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, "logger=tensorboard", f"cache_dir={cache_dir}",
                 f"hydra.sweep.dir={sweep_dir}"]
         try:
             result = run_app(args, cwd=root)

@@ -111,6 +111,24 @@ def test_multirun_of_two_jobs_leaves_exactly_two_run_folders(tmp_path_factory):
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_file()) == ["multirun.yaml"]
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.xdist_group("sweep")
+def test_a_multi_process_run_logs_one_tensorboard_run_per_worker(tmp_path_factory):
+    """logger=tensorboard: each of the 2 ranks (workers) of a job writes its own run, with its own train loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = finished_sweep(tmp_path_factory) / "0"  # diloco: each worker trains its own replica
+    board = job / "tensorboard"
+    assert sorted(p.name for p in board.iterdir()) == ["worker_0", "worker_1"]
+    losses = {}
+    for worker in (0, 1):
+        accumulator = EventAccumulator(str(board / f"worker_{worker}"))
+        accumulator.Reload()
+        losses[worker] = {event.step: event.value for event in accumulator.Scalars("train/loss")}
+        assert sorted(losses[worker]) == [0, 1, 2, 3], (worker, losses[worker])  # log_every_n_steps=1, 4 steps
+    assert losses[0] != losses[1]  # each worker's own batches and replica, not rank 0's values twice
+
+
 @pytest.mark.timeout(300)
 def test_ckpt_path_resumes_a_run_to_the_same_final_model(tmp_path, tmp_path_factory, fresh_port):
     """ckpt_path=DIR continues from a per-rank checkpoint: the resumed run ends where the unbroken one does."""

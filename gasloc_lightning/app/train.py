@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from typing_extensions import override
 
 from gasloc_lightning.app.config import check_choices, config_dir
+from gasloc_lightning.app.run_tensorboard import WorkerTensorBoard, place_rank_zero_tensorboard
 from gasloc_lightning.app.summary import SUMMARY_FILE, count_rounds, describe_strategy
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 
@@ -162,6 +163,10 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
         logger=_instantiate_group(cfg.logger) or False,
         _convert_="all",
     )
+    placed = place_rank_zero_tensorboard(cfg, processes=trainer.num_devices * trainer.num_nodes)
+    if placed is not None:  # one TensorBoard run per worker: rank 0's is worker_0, the others' their own
+        trainer.loggers = _instantiate_group(placed.logger)
+        trainer.callbacks.append(WorkerTensorBoard(cfg.output_dir))
     return trainer, model, datamodule
 
 
