@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -197,10 +198,12 @@ def test_a_worker_still_running_after_the_end_is_stopped_not_failed(tmp_path, ca
 
 
 @pytest.mark.timeout(300)
-def test_seeded_chaos_of_ten_kills_and_restarts_never_hangs_and_every_worker_finishes(tmp_path, cache_dir):
+def test_seeded_chaos_of_ten_kills_and_restarts_never_hangs_and_every_worker_finishes(tmp_path, cache_dir, capsys):
     """elastic.random_chaos=10: five kills, each restarted; with 4 workers and min_workers=3 a kill can fall
     while the last restarted worker is still joining (the others then wait for it). A worker is restarted
-    twice, so its second spare must be released too. Every worker ends at max_steps on one consensus."""
+    twice, so its second spare must be released too. Every worker ends at max_steps on one consensus, except a
+    restart still starting when the run ended (a late chaos restart on a loaded machine): the launcher stops it as
+    a latecomer, and says so."""
     steps = 300
     base = [o for o in FAST if not o.startswith(("trainer.max_steps=", "trainer.val_check_interval="))]
     overrides = [*base, f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "elastic.workers=4",
@@ -208,16 +211,24 @@ def test_seeded_chaos_of_ten_kills_and_restarts_never_hangs_and_every_worker_fin
                  f"cache_dir={cache_dir}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         summary = run_elastic(compose(config_name="elastic/app", overrides=overrides))
+    out = capsys.readouterr().out
+    print(out)  # kept in the report of a failure
     assert len(summary["chaos"]) == 10 and sum(event.startswith("kill") for event in summary["chaos"]) == 5
     rows = {row["worker"]: row for row in summary["workers"]}
     assert sum(row["incarnations"] for row in rows.values()) == 4 + 5, rows
     assert max(row["incarnations"] for row in rows.values()) >= 3, "seed 0 should restart one worker twice"
-    for row in rows.values():
-        assert row["exit_code"] == 0 and row["final_step"] == steps, rows
-        assert math.isfinite(row["val_loss"]), row
+    latecomers = {int(w) for w in re.findall(r"^worker (\d+) arrived after the run ended: stopped$", out, re.M)}
+    finished = [worker for worker in rows if worker not in latecomers]
+    assert len(finished) >= 3, (latecomers, rows)  # min_workers finished the run
+    for worker, row in rows.items():
         # every restart joined at the quorum's step (it took a peer's state), not from step 0
         assert all(step is None or step > 0 for step in row["joined"][1:]), row
-    progress = [_progress(tmp_path, worker) for worker in range(4)]
+        if worker in latecomers:  # stopped by the launcher as it started: not a failure, not a finisher
+            assert row["status"] == "stopped" and row["incarnations"] > 1, row
+            continue
+        assert row["exit_code"] == 0 and row["final_step"] == steps, rows
+        assert math.isfinite(row["val_loss"]), row
+    progress = [_progress(tmp_path, worker) for worker in finished]
     assert len({record["model_checksum"] for record in progress}) == 1, progress
     for worker in range(4):
         losses = [float(r["train/loss"]) for r in csv.DictReader(open(tmp_path / f"worker_{worker}" / "csv" / "metrics.csv"))

@@ -183,8 +183,9 @@ def exchange_encoded(pg: Any, buffers: EncodedAllReduce, ring: tuple[int, ...], 
                      authenticator: MessageAuthenticator | None, use: bytes, tags: tuple[int, int]) -> None:
     """Phase 2 of :class:`~gasloc_lightning.comm.encoded_mean.EncodedAllReduce` between the members ``ring``
     (sorted quorum indices, ``rank`` among them), point to point: every encoded chunk to its owner, the owner's
-    reduction, every chunk's mean to every member, on the gloo ``tags`` (chunks, their keyed hashes). Raises ``RuntimeError`` on a failed or late operation,
-    :class:`~gasloc_lightning.comm.ring.UnauthenticMessageError` on a chunk whose tag fails."""
+    reduction, every chunk's mean to every member, on the gloo ``tags`` (chunks, their keyed hashes). Raises
+    ``RuntimeError`` on a failed or late operation, :class:`~gasloc_lightning.comm.ring.UnauthenticMessageError` on a
+    chunk whose tag fails."""
     position = ring.index(rank)
     incoming = buffers.incoming
     incoming[position].copy_(buffers.outgoing[position])  # this member's own share of the chunk it owns
