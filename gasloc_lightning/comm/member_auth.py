@@ -20,8 +20,8 @@ so no gloo operation is ever left pending):
    member alike (it then exchanges with nobody, reports, and the next quorum agrees again).
 3. **Keep checking.** A deleted decision lets a later member write a second, validly signed one, so members
    could hold different sets. Each member reads the decision and its own attestation back at its first use and
-   before each later exchange (:func:`still_agreed`): a vanished or changed one is tampering (reported, the
-   quorum's exchanges fail). And the quorum's gloo tags derive from the agreement (:meth:`MemberCheck.digest`,
+   before each later exchange (:func:`still_agreed`): a vanished or changed decision, or a vanished attestation,
+   is tampering (reported, the quorum's exchanges fail). And the quorum's gloo tags derive from the agreement (:meth:`MemberCheck.digest`,
    :func:`tag_base`), so members whose views differ never match each other's sends and receives: a timeout, a
    failed exchange, never gloo's abort on a message longer than the posted receive.
 

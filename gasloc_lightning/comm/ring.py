@@ -29,7 +29,8 @@ from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, 
 
 __all__ = ["RING_CHUNK_TAG", "RING_TAG_TAG", "UnauthenticMessageError", "ring_all_reduce_sum"]
 
-RING_CHUNK_TAG, RING_TAG_TAG = 1004, 1005  # clear of torchft's PGTransport tags and ours (1000-1003)
+RING_CHUNK_TAG, RING_TAG_TAG = 1004, 1005  # defaults, clear of torchft's PGTransport tags (1, 2, 3+i); the elastic
+# transport passes tags derived from the quorum's agreement instead (``ElasticTransport.gloo_tag``)
 
 
 class UnauthenticMessageError(RuntimeError):
