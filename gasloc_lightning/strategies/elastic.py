@@ -878,6 +878,7 @@ class ElasticDiLoCoStrategy(ElasticGASLoCStrategy):
                  **kwargs: Any) -> None:
         if "topology" in kwargs:
             raise ValueError("ElasticDiLoCoStrategy always uses topology='complete'; do not pass topology")
+        check_codec(message_codec)  # a sparse (top-k) codec: the elastic mode's own refusal, which says where to go
         if message_codec != "float32":
             QuantizedRoundMean.check_codec(message_codec)
         if not isinstance(overlap, bool):
