@@ -35,7 +35,6 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,7 +44,7 @@ from gasloc_lightning.algorithm.round import EncodedMean
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
 from gasloc_lightning.comm.encoded_mean import EncodedAllReduce
 from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, context, tag_bytes, tag_tensor
-from gasloc_lightning.comm.ring import UnauthenticMessageError
+from gasloc_lightning.comm.ring import UnauthenticMessageError, wait_all
 
 __all__ = ["ENCODED_CHUNK", "ENCODED_TAG", "ElasticEncodedMean", "PendingElasticMean", "QuantizedRoundMean"]
 
@@ -218,12 +217,7 @@ def _swap(pg: Any, outgoing: dict[int, Tensor], incoming: dict[int, Tensor], rin
         for q in sorted(outgoing):
             tag = tag_tensor(authenticator.tag(outgoing[q], context(*where, me, ring[q])))
             works.append(pg.send([tag], ring[q], hash_tag))
-    failure = None
-    for work in works:  # wait for every op even after a failure: none is left half posted
-        try:
-            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except Exception as error:  # noqa: BLE001 - a timeout, a closed connection
-            failure = failure or error
+    failure = wait_all(works, deadline)
     if failure is not None:
         raise RuntimeError(f"quantized mean ({where[1]}) failed: {failure}") from failure
     for q, tag in tags_in.items():

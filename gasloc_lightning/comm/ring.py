@@ -27,7 +27,7 @@ from torch import Tensor
 
 from gasloc_lightning.comm.message_auth import TAG_BYTES, MessageAuthenticator, context, tag_bytes, tag_tensor
 
-__all__ = ["RING_CHUNK_TAG", "RING_TAG_TAG", "UnauthenticMessageError", "ring_all_reduce_sum"]
+__all__ = ["RING_CHUNK_TAG", "RING_TAG_TAG", "UnauthenticMessageError", "ring_all_reduce_sum", "wait_all"]
 
 RING_CHUNK_TAG, RING_TAG_TAG = 1004, 1005  # defaults, clear of torchft's PGTransport tags (1, 2, 3+i); the elastic
 # transport passes tags derived from the quorum's agreement instead (``ElasticTransport.gloo_tag``)
@@ -78,6 +78,18 @@ def ring_all_reduce_sum(pg: Any, tensor: Tensor, *, ring: tuple[int, ...], rank:
     return tensor
 
 
+def wait_all(works: list[Any], deadline: float) -> Exception | None:
+    """Wait for every posted gloo operation under ``deadline``, even after one failed, so none is left half posted;
+    returns the first failure (a timeout, a closed connection), or None."""
+    failure = None
+    for work in works:
+        try:
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except Exception as error:  # noqa: BLE001 - a timeout, a closed connection
+            failure = failure or error
+    return failure
+
+
 def _hop(pg: Any, outgoing: Tensor, incoming: Tensor, right: int, left: int, deadline: float,
          authenticator: MessageAuthenticator | None, where: tuple, me: int, tags: tuple[int, int]) -> None:
     """Send ``outgoing`` right and receive ``incoming`` from the left (each with its tag), under the deadline."""
@@ -87,12 +99,7 @@ def _hop(pg: Any, outgoing: Tensor, incoming: Tensor, right: int, left: int, dea
         works.append(pg.recv([tag_in], left, tags[1]))
         tag_out = tag_tensor(authenticator.tag(outgoing, context(*where, me, right)))
         works.append(pg.send([tag_out], right, tags[1]))
-    failure = None
-    for work in works:  # wait for every op even after a failure: none is left half posted
-        try:
-            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except Exception as error:  # noqa: BLE001 - a timeout, a closed connection
-            failure = failure or error
+    failure = wait_all(works, deadline)
     if failure is not None:
         raise RuntimeError(f"ring hop from rank {left} failed: {failure}") from failure
     if authenticator is not None and not authenticator.verify(incoming, context(*where, left, me), tag_bytes(tag_in)):
