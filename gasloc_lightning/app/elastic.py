@@ -52,6 +52,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
+from gasloc_lightning.app.forked_workers import WORKER_MODULE, WORKER_STARTS, ForkedWorker, start_forked_worker
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, PROGRESS_FILE, read_progress, ready_file
 from gasloc_lightning.app.compare_elastic import CSV_INCARNATION_PREFIX
 from gasloc_lightning.app.live_status import LiveStatus, as_int
@@ -103,6 +104,7 @@ class ElasticSchema:
     transfer_timeout: float = 60.0
     first_quorum_delay: float = 1.0
     cpu_threads: int = 1
+    worker_start: str = "forkserver"
     leave_grace_s: float = 60.0
     member_auth: bool = True  # docs/security.md
     message_auth: bool | None = None
@@ -253,6 +255,9 @@ def _start_process(command: list[str], log_path: Path, env: dict[str, str], **po
                                 **popen)
 
 
+WorkerProcess = subprocess.Popen | ForkedWorker  # a worker: forked from the preloaded server, or a fresh interpreter
+
+
 @dataclass
 class WorkerRecord:
     """One worker slot across its incarnations (the launcher's view)."""
@@ -260,7 +265,7 @@ class WorkerRecord:
     worker: int
     output_dir: Path
     config_path: Path
-    process: subprocess.Popen | None = None
+    process: WorkerProcess | None = None
     incarnations: int = 0
     applied: int = 0  # steps computed by earlier incarnations
     joined: list[int] = field(default_factory=list)
@@ -268,7 +273,7 @@ class WorkerRecord:
     exit_steps: list[int] = field(default_factory=list)  # each incarnation's own step when it ended
     stalled_until: float | None = None  # a stall's end: a monotonic time ...
     stalled_until_step: int | None = None  # ... or the furthest live worker's step
-    spare: subprocess.Popen | None = None  # the next incarnation, started ahead and held until its restart
+    spare: WorkerProcess | None = None  # the next incarnation, started ahead and held until its restart
     spare_release: Path | None = None  # the file whose creation releases the spare
     spawned: int = 0  # processes started for this slot (spares included)
     ended_by: str | None = None  # the launcher ended this incarnation: "killed" (chaos) or "stopped"
@@ -459,18 +464,23 @@ class ElasticRun:
             env.pop(key, None)
         if held:
             env[HOLD_FILE_ENV] = str(hold_file)
-        command = [sys.executable, "-m", "gasloc_lightning.app.elastic_worker", str(record.config_path)]
+        arguments = [str(record.config_path)]
         if record.spawned > 1 and OmegaConf.select(self.cfg, "logger.csv.version", default=None) is not None:
             # Lightning's CSVLogger deletes the metrics.csv it finds in its folder: a restart (or a spare) writes
             # its own, csv/incarnation_<k>/metrics.csv, and gasloc-compare reads them all in order
-            command.append(f"logger.csv.version={CSV_INCARNATION_PREFIX}{record.spawned}")
+            arguments.append(f"logger.csv.version={CSV_INCARNATION_PREFIX}{record.spawned}")
         if founder:  # the worker config says 0, right for a restart
-            command.append(f"strategy.first_quorum_delay={self.elastic.first_quorum_delay}")
+            arguments.append(f"strategy.first_quorum_delay={self.elastic.first_quorum_delay}")
             if record.resume_from is not None:
-                command.append(f"ckpt_path={record.resume_from}")
-        if self.placement is not None:
-            command = self.placement.worker_command(command, record.worker)
-        process = _start_process(command, record.output_dir / "worker.log", env)
+                arguments.append(f"ckpt_path={record.resume_from}")
+        log_path = record.output_dir / "worker.log"
+        if self.placement is None and self.elastic.worker_start == "forkserver":
+            process: WorkerProcess = start_forked_worker(arguments, log_path, env)
+        else:
+            command = [sys.executable, "-m", WORKER_MODULE, *arguments]
+            if self.placement is not None:
+                command = self.placement.worker_command(command, record.worker)
+            process = _start_process(command, log_path, env)
         self.started_pids.append(process.pid)
         if held:
             record.spare, record.spare_release = process, hold_file
@@ -483,7 +493,7 @@ class ElasticRun:
         process, record.spare = record.spare, None
         self._start_incarnation(record, process)
 
-    def _start_incarnation(self, record: WorkerRecord, process: subprocess.Popen) -> None:
+    def _start_incarnation(self, record: WorkerRecord, process: WorkerProcess) -> None:
         record.process = process
         record.incarnations += 1
         record.ended_by, record.leaving, record.exit_code, record.final = None, False, None, {}
@@ -905,6 +915,8 @@ def check_elastic(cfg: DictConfig) -> None:
     elastic = cfg.elastic
     if elastic.method not in ("gasloc", "diloco"):
         raise ValueError(f"elastic.method must be 'gasloc' or 'diloco', got {elastic.method!r}")
+    if elastic.worker_start not in WORKER_STARTS:
+        raise ValueError(f"elastic.worker_start must be one of {WORKER_STARTS}, got {elastic.worker_start!r}")
     if elastic.workers < 1:
         raise ValueError(f"elastic.workers must be >= 1, got {elastic.workers}")
     if not elastic.status_every_s > 0:

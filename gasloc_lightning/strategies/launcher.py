@@ -5,7 +5,7 @@
   worker process it started: SIGTERM, then SIGKILL after a grace period, by pid.
 - :func:`exit_with_parent` makes a worker exit when the process that launched it is gone (it was
   killed, say): Linux's parent-death signal where available, and a watchdog thread on the parent's
-  pid everywhere.
+  pid everywhere (on the launcher's own pid for a fork server's child, whose parent is the server).
 - :func:`release_process_group_in_child` destroys a spawned or forked worker's process group before it
   exits.
 - :class:`ShardedResultsLauncher` is Lightning's spawn/fork launcher for sharded workers: the weights it
@@ -21,6 +21,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -140,10 +141,14 @@ def exit_with_parent() -> None:
     parent = _launching_parent()
     if parent is None:
         return
-    set_parent_death_signal()
-    if os.getppid() != parent:  # gone before the signal was armed
+    set_parent_death_signal()  # a fork server's child: its server, which exits with the launcher
+    if os.getppid() == parent:
+        watch = _watch_parent
+    elif _alive(parent):  # a fork server's child: the launcher asked for it but is not its parent
+        watch = _watch_launcher
+    else:  # gone before the signal was armed
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent,), name="gasloc-parent-watchdog", daemon=True).start()
+    threading.Thread(target=watch, args=(parent,), name="gasloc-parent-watchdog", daemon=True).start()
 
 
 def _launching_parent() -> int | None:
@@ -177,6 +182,30 @@ def set_parent_death_signal(parent: int | None = None) -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent is not None and os.getppid() != parent:  # it died before the signal was armed
         os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _watch_launcher(launcher: int) -> None:
+    """Exit once ``launcher``, which is not this process's parent, is gone: wait on a pidfd where Linux has them
+    (no pid reuse can fool it), else poll the pid."""
+    try:
+        pidfd = os.pidfd_open(launcher)
+    except (AttributeError, OSError):
+        while _alive(launcher):
+            time.sleep(_WATCHDOG_PERIOD_S)
+    else:
+        select.select([pidfd], [], [])  # readable once the process has exited
+    log.error("the launching process (pid %d) is gone: this worker exits", launcher)
+    os._exit(1)
 
 
 def _watch_parent(parent: int) -> None:
