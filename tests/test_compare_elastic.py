@@ -66,7 +66,8 @@ def test_each_later_process_of_a_worker_slot_logs_its_own_csv(tmp_path, monkeypa
 
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("elastic/app", overrides=["elastic.workers=1", "elastic.min_workers=1",
-                                                 "elastic.lighthouse=127.0.0.1:1", f"output_dir={tmp_path}"])
+                                                 "elastic.lighthouse=127.0.0.1:1", f"output_dir={tmp_path}",
+                                                 "elastic.worker_start=exec"])  # a command line to read
     run = elastic_app.ElasticRun(cfg)
     record = run._write_worker_config(0)
     commands = []

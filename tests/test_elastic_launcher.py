@@ -192,8 +192,10 @@ def test_nothing_listens_beyond_loopback_during_a_run(tmp_path, cache_dir, capfd
                 continue
 
     steps = 47
-    summary = _run([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "logger=tensorboard"],
-                   tmp_path, cache_dir, on_poll=sample)
+    # exec: a fresh interpreter per worker, whose /proc/<pid>/environ is the environment the launcher gave it (a fork
+    # server's child shows the server's; tests/test_forked_workers.py checks what such a worker is given)
+    summary = _run([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "logger=tensorboard",
+                    "elastic.worker_start=exec"], tmp_path, cache_dir, on_poll=sample)
     lighthouse = summary["lighthouse_pid"]
     workers = [pid for pid in listeners if pid != lighthouse]
     assert listeners.get(lighthouse), "the lighthouse was never seen listening: nothing was sampled"

@@ -95,7 +95,7 @@ def launch(tmp_path: Path, port: int, template: str, **fields: object) -> subpro
 def test_a_stalled_worker_leaves_no_process_behind(tmp_path, fresh_port, stalled_rank):
     process = launch(tmp_path, fresh_port(), SCRIPT, stalled_rank=stalled_rank)
     try:
-        pids = wait_for_pids(tmp_path, 3, timeout=60)
+        pids = wait_for_pids(tmp_path, 3, timeout=240)  # a failure deadline
         output, _ = process.communicate(timeout=90)
     finally:
         if process.poll() is None:
@@ -109,7 +109,7 @@ def test_a_stalled_worker_leaves_no_process_behind(tmp_path, fresh_port, stalled
 def test_workers_exit_when_their_launcher_is_killed(tmp_path, fresh_port):
     process = launch(tmp_path, fresh_port(), SCRIPT, stalled_rank=-1)
     try:
-        pids = wait_for_pids(tmp_path, 3, timeout=60)
+        pids = wait_for_pids(tmp_path, 3, timeout=240)  # a failure deadline
         process.kill()  # SIGKILL: no handler of the launcher runs
         process.wait(timeout=10)
     finally:
@@ -146,7 +146,7 @@ LAUNCHER_FAILS = PREAMBLE + textwrap.dedent(
 def test_a_failing_launcher_reports_its_error_and_stops_every_worker(tmp_path, fresh_port):
     process = launch(tmp_path, fresh_port(), LAUNCHER_FAILS)
     try:
-        pids = wait_for_pids(tmp_path, 3, timeout=45)
+        pids = wait_for_pids(tmp_path, 3, timeout=240)  # a failure deadline: 3 fresh interpreters on a loaded 2-core box
         output, _ = process.communicate(timeout=45)
     finally:
         if process.poll() is None:

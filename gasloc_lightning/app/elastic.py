@@ -52,7 +52,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
-from gasloc_lightning.app.forked_workers import WORKER_MODULE, WORKER_STARTS, ForkedWorker, start_forked_worker
+from gasloc_lightning.app.forked_workers import (WORKER_MODULE, WORKER_STARTS, ForkedWorker, start_forked_worker,
+                                                 stop_fork_server)
 from gasloc_lightning.app.elastic_worker import HOLD_FILE_ENV, LEAVE_CHECKPOINT, PROGRESS_FILE, read_progress, ready_file
 from gasloc_lightning.app.compare_elastic import CSV_INCARNATION_PREFIX
 from gasloc_lightning.app.live_status import LiveStatus, as_int
@@ -503,12 +504,13 @@ class ElasticRun:
     def watch(self) -> None:
         """Poll the workers until every one that should finish has exited; fire chaos events on the way.
 
-        A restart of a worker that is still leaving (``term``) waits until it has exited."""
+        A restart of a worker that is still leaving (``term``) waits until it has exited; a kill or term of a worker
+        due to restart waits until the restart's spare is built."""
         pending = list(self.events)
         waiting: list[ChaosEvent] = []  # restarts of workers still leaving
         while True:
             step = self.furthest_step()
-            while pending and step >= pending[0].step:
+            while pending and step >= pending[0].step and not self._spare_building(pending[0]):
                 event = pending.pop(0)
                 if not self._fire(event, step, pending):
                     waiting.append(event)
@@ -568,6 +570,14 @@ class ElasticRun:
         """The furthest training step any running worker has reported."""
         steps = [as_int(record.progress().get("step")) or 0 for record in self.workers if record.running]
         return max(steps, default=0)
+
+    def _spare_building(self, event: ChaosEvent) -> bool:
+        """Whether ``event`` kills or ends a worker whose restart's spare is still building: it then waits (and the
+        events after it), so that the restart joins at its step however slow the machine is."""
+        if event.action not in ("kill", "term"):
+            return False
+        spare = self.workers[event.worker].spare
+        return spare is not None and spare.poll() is None and not ready_file(self.workers[event.worker].spare_release).exists()
 
     def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
         """Apply ``event``; False if it must wait (a restart of a worker that is still leaving)."""
@@ -1052,6 +1062,8 @@ def main(cfg: DictConfig) -> None:
     except ElasticInterrupted as interrupted:
         print(interrupted, file=sys.stderr, flush=True)
         raise SystemExit(128 + interrupted.signum) from None
+    finally:
+        stop_fork_server()  # every worker has been stopped: its server goes too, before the launcher exits
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 WORKER_MODULE = "gasloc_lightning.app.elastic_worker"
@@ -72,15 +73,38 @@ def start_forked_worker(arguments: list[str], log_path: Path, env: dict[str, str
         log_path: the file its stdout and stderr are appended to.
         env: its whole environment (nothing of the launcher's or the server's own leaks in).
     """
+    from gasloc_lightning.app.elastic_worker import main
+
+    return start_forked(main, arguments, log_path, env)
+
+
+def start_forked(main: Callable[[list[str]], object], arguments: list[str], log_path: Path,
+                 env: dict[str, str]) -> ForkedWorker:
+    """Run ``main(arguments)`` in a fork of the server, as a process of its own (see the module's docstring).
+
+    Args:
+        main: a module-level function (the server imports its module, if it has not already).
+    """
     _CONTEXT.set_forkserver_preload([WORKER_MODULE])  # takes effect when the server starts (the first worker)
-    process = _CONTEXT.Process(target=_run_worker, args=(list(arguments), str(log_path), dict(env)),
-                               name=f"gasloc-elastic-worker:{Path(log_path).parent.name}", daemon=True)
+    process = _CONTEXT.Process(target=_run, args=(main, list(arguments), str(log_path), dict(env)),
+                               name=f"gasloc-worker:{Path(log_path).parent.name}", daemon=True)
     process.start()
     return ForkedWorker(process)
 
 
-def _run_worker(arguments: list[str], log_path: str, env: dict[str, str]) -> None:
-    """In the fork: become the process ``subprocess.Popen`` would have started, then run the worker's main."""
+def stop_fork_server() -> None:
+    """Stop the fork server and wait for it to exit (it would exit with this process anyway: a launcher that returns
+    leaves nothing running). A later forked worker starts a new one. Python has no public call for this: where
+    its private one is missing, the server is left to exit with this process."""
+    import multiprocessing.forkserver as forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        stop()
+
+
+def _run(main: Callable[[list[str]], object], arguments: list[str], log_path: str, env: dict[str, str]) -> None:
+    """In the fork: become the process ``subprocess.Popen`` would have started, then call ``main``."""
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
@@ -95,7 +119,5 @@ def _run_worker(arguments: list[str], log_path: str, env: dict[str, str]) -> Non
     threads = env.get("OMP_NUM_THREADS")
     if threads:  # the server imported torch before this worker's thread count was known
         torch.set_num_threads(int(threads))
-    from gasloc_lightning.app import elastic_worker
-
-    sys.argv = [elastic_worker.__file__, *arguments]
-    elastic_worker.main(arguments)
+    sys.argv = [sys.modules[main.__module__].__file__ or main.__module__, *arguments]
+    main(arguments)

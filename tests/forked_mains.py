@@ -1,0 +1,26 @@
+"""Module-level mains for ``tests/test_forked_workers.py``: a fork server imports them by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from gasloc_lightning.strategies.launcher import exit_with_parent
+
+
+def report_and_exit(arguments: list[str]) -> None:
+    """Print what the process is (session, environment, argv, threads), then exit with code ``arguments[0]``."""
+    print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "env": dict(os.environ), "argv": sys.argv[1:],
+                      "stdin_is_devnull": os.path.samefile(f"/proc/self/fd/{sys.stdin.fileno()}", os.devnull)}),
+          flush=True)
+    sys.exit(int(arguments[0]))
+
+
+def wait_forever(arguments: list[str]) -> None:
+    """As a worker does: exit with the launcher. Says it is ready, then waits."""
+    exit_with_parent()
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)

@@ -1,0 +1,84 @@
+"""Elastic workers forked from the preloaded server (``elastic.worker_start=forkserver``) are processes of their own:
+their own session, exactly the environment they are given, their output in their log, their exit status seen as a
+``subprocess.Popen``'s, and gone with their launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from forked_mains import report_and_exit, wait_forever
+from gasloc_lightning.app.forked_workers import start_forked
+from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/status").read_text().count("zombie") > 0
+
+
+def test_a_forked_worker_is_a_process_of_its_own_and_reports_its_exit_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("GASLOC_TEST_NOT_GIVEN", "launcher-only")
+    log = tmp_path / "worker.log"
+    log.write_text("earlier incarnation\n")
+    env = {"PATH": os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1", "GIVEN": "yes"}
+    worker = start_forked(report_and_exit, ["3", "x=1"], log, env)
+    assert worker.wait(timeout=120) == 3 and worker.poll() == 3 and worker.returncode == 3
+    first, report = log.read_text().splitlines()[:2]
+    assert first == "earlier incarnation"  # appended, as the launcher's Popen does
+    seen = json.loads(report)
+    assert seen["pid"] == worker.pid and seen["sid"] == worker.pid != os.getsid(0)  # its own session
+    assert seen["env"] == env, "the worker must see exactly the environment it was given"
+    assert seen["argv"] == ["3", "x=1"] and seen["stdin_is_devnull"]
+    worker.send_signal(signal.SIGTERM)  # after the end: a no-op, as Popen's
+
+
+def test_a_forked_worker_times_out_then_stops_on_sigkill(tmp_path):
+    env = {"PATH": os.environ.get("PATH", ""), LAUNCHER_PID_ENV: str(os.getpid())}
+    worker = start_forked(wait_forever, [], tmp_path / "worker.log", env)
+    with pytest.raises(subprocess.TimeoutExpired):
+        worker.wait(timeout=0.1)
+    deadline = time.monotonic() + 120
+    while "ready" not in (tmp_path / "worker.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.poll() is None
+    worker.kill()
+    assert worker.wait(timeout=60) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_forked_worker_exits_when_its_launcher_is_killed(tmp_path):
+    log, worker_pid = tmp_path / "worker.log", None
+    launcher = subprocess.Popen([sys.executable, str(SCRIPTS / "forked_launcher.py"), str(log)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "ready" in log.read_text()):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the forked worker never got ready"
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30  # a failure deadline: the watchdog wakes on the launcher's pidfd
+        while not _gone(worker_pid):
+            assert time.monotonic() < deadline, f"worker {worker_pid} outlived its killed launcher"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if worker_pid is not None and not _gone(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
