@@ -349,6 +349,7 @@ class ElasticMembership:
             in_flight = getattr(manager, "_quorum_future", None)
             if in_flight is not None:
                 concurrent.futures.wait([in_flight], timeout=_QUORUM_DRAIN_S)
+            _drop_rust_services(manager, self._recorder)
         if self._transport is not None:
             self._transport.shutdown(wait=True)  # torchft 0.2.0's shutdown(wait=False) leaves a server running
             self._transport = None
@@ -599,6 +600,19 @@ class ElasticMembership:
     def connected(self) -> bool:
         """Between :meth:`connect` and :meth:`shutdown`."""
         return self._manager is not None
+
+
+def _drop_rust_services(manager: Any, recorder: _QuorumRecorder | None) -> None:
+    """Drop the shut-down Manager's Rust server and client now, and with them their tokio runtimes' threads
+    ("torchft-manager", "torchft-mgrclnt").
+
+    torchft 0.2.0 keeps the Manager in a reference cycle (its ``_ManagerLogger`` points back at it; our recorder is
+    another), so without this those threads live on until the garbage collector runs. A process that forks later
+    (a fork-started Lightning launch, a test after this one) would copy locks those threads hold into its child."""
+    manager._manager = None  # the ManagerServer: already shut down by Manager.shutdown
+    manager._client = None
+    if recorder is not None:
+        recorder._inner = None
 
 
 def _release_process_group(pg: Any) -> None:
