@@ -22,7 +22,7 @@ from dist_utils import (
 from gasloc_lightning import GASLoCStrategy
 from gasloc_lightning.plugins.per_rank import load_rank_checkpoint
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("threads_safe_to_fork")]
 
 
 def assert_no_children():
