@@ -71,9 +71,13 @@ def one_torch_thread():
 # ---------------------------------------------------------------- no thread and no child left behind
 # A test that leaves native threads running (a torchft manager's tokio runtime, a TCPStore's libuv loop, gloo's
 # loops, an HTTP server) makes every later fork() in this pytest process copy the locks those threads may hold at
-# that instant: a fork-started test (GASLoCStrategy(start_method="fork")) then hangs in its child until its timeout.
-# So the last test of each module fails in teardown, naming what its module left; and a fork-started test refuses
-# to fork while such threads run, naming them and the test that left them, instead of hanging.
+# that instant. Worse, where such threads end only when the garbage collector frees their owner (torchft 0.2.0 keeps
+# its Manager in a reference cycle), a forked child that runs the collector drops the owner there, and its Rust
+# runtime waits forever for threads the child does not have: a fork-started test (GASLoCStrategy(start_method=
+# "fork")) hung until its timeout, and its ranks outlived it. So the last test of each module fails in teardown,
+# naming the threads its module left and the test after which each appeared; every test that leaves
+# multiprocessing children fails, after they are killed by pid; and a fork-started test refuses to fork beside
+# leftover threads, naming them, instead of hanging.
 
 # torchft's process-wide TimeoutManager (torchft.futures): started once, on first use, for the process's lifetime.
 _LIFETIME_THREADS = ("TimeoutManager", "(_watchdog_loop)")
@@ -147,8 +151,10 @@ def pytest_runtest_setup(item):
     return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_teardown(item, nextitem):
+    # tryfirst: around the logging plugin's wrapper, which drops the test's log records (a record of a logged
+    # exception holds its traceback, and so every object in its frames) before this judges what is left.
     result = yield  # the test's fixtures, and the module's where this is its last test, are finalized
     _reap_children(item)
     if _LEDGER is None:
