@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -530,6 +531,8 @@ class ElasticMembership:
 
     def _record_quorum(self) -> Quorum:
         result, errored = self._recorder.last, self._manager.errored()
+        if errored is not None:
+            _release_frames(errored.original_exception)
         self._recorder.last = None
         quorum = Quorum(quorum_id=int(result.quorum_id), members=tuple(result.replica_ids),
                         index=int(result.replica_rank), max_step=int(result.max_step), healed=self._healed,
@@ -613,6 +616,21 @@ def _drop_rust_services(manager: Any, recorder: _QuorumRecorder | None) -> None:
     manager._client = None
     if recorder is not None:
         recorder._inner = None
+    errored = manager.errored()
+    if errored is not None:
+        _release_frames(errored.original_exception)
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames in ``error``'s traceback (and those of its causes), keeping the
+    exception and its message. A failed heal's traceback holds torchft's quorum frame, and in it the client it opened
+    to the heal source, with that client's runtime threads: whoever keeps the error (a Quorum, a log record) would
+    keep them running until a garbage collection (see _drop_rust_services)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _release_process_group(pg: Any) -> None:
