@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gasloc_lightning import DiLoCoStrategy
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240), pytest.mark.usefixtures("threads_safe_to_fork")]
 
 INNER_STEPS, FRAGMENTS, STEPS = 4, 2, 8  # overlap: fragment 0 leaves after step 1 and lands after step 2
 GATE = timedelta(seconds=60)  # a failure deadline only

@@ -17,7 +17,7 @@ from dist_utils import (
 )
 from gasloc_lightning import GASLoCStrategy
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240), pytest.mark.usefixtures("threads_safe_to_fork")]
 
 
 def trainer_for(tmp_path, strategy, **kwargs):

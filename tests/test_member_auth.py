@@ -294,6 +294,7 @@ def test_a_message_tag_binds_key_bytes_and_use_and_streams_in_pieces():
         MessageAuthenticator(SECRET, algorithm="md5")
     with pytest.raises(ValueError, match="leaf_bytes"):
         MessageAuthenticator(SECRET, leaf_bytes=6)
+    auth.close()  # its hashing threads
 
 
 def _elastic_transport(mailbox: Mailbox, rank: int, secret: bytes, *, tagged: bool, members=MEMBERS,
@@ -415,6 +416,7 @@ def gloo_groups():
     for _, groups in made:
         for group in groups:
             group.close()
+    made.clear()  # the stores' last references: each one's server thread ends with it
 
 
 def _gloo_transport(group, rank: int, secret: bytes, members=MEMBERS, *, quorum_id: int = 7,

@@ -15,7 +15,7 @@ from gasloc_lightning.algorithm.round import EncodedMean
 from gasloc_lightning.comm.encoded_mean import AsyncEncodedMean
 from gasloc_lightning.comm.transport import GossipTimeoutError, GossipTransport
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120), pytest.mark.usefixtures("threads_safe_to_fork")]
 
 NUMEL = 1001  # not a multiple of the block or of the world size: padding is exercised
 

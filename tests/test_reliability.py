@@ -22,14 +22,17 @@ from dist_utils import (
 from gasloc_lightning import GASLoCStrategy
 from gasloc_lightning.plugins.per_rank import load_rank_checkpoint
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("threads_safe_to_fork")]
 
 
 def assert_no_children():
+    """The failed launch stopped every rank it forked. Every child here is this test's: conftest kills and reports
+    any child an earlier test leaves (a launch that hung until its timeout)."""
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert multiprocessing.active_children() == []
+    left = multiprocessing.active_children()
+    assert left == [], f"ranks still running after the failed fit: {[(child.name, child.pid) for child in left]}"
 
 
 def fault_trainer(tmp_path, callbacks, gossip_timeout=2.0, max_steps=12, **kwargs):

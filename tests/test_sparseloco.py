@@ -27,7 +27,7 @@ from gasloc_lightning.app.config import config_dir
 from gasloc_lightning.comm.transport import GossipTransport
 from gasloc_lightning.sim import DiLoCoRounds, WorkerClocks
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("threads_safe_to_fork")]
 
 
 # ---------------------------------------------------------------------------- the mean is preserved

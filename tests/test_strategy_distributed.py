@@ -21,7 +21,7 @@ from dist_utils import CountCollectives, RecordParameters, TinyRegressor, flat_p
 from gasloc_lightning import DiLoCoStrategy, GASLoCStrategy
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240), pytest.mark.usefixtures("threads_safe_to_fork")]
 
 
 def fit(strategy, tmp_path, *, devices=2, max_steps=12, callbacks=(), model=None, **trainer_kwargs):

@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -349,6 +350,7 @@ class ElasticMembership:
             in_flight = getattr(manager, "_quorum_future", None)
             if in_flight is not None:
                 concurrent.futures.wait([in_flight], timeout=_QUORUM_DRAIN_S)
+            _drop_rust_services(manager, self._recorder)
         if self._transport is not None:
             self._transport.shutdown(wait=True)  # torchft 0.2.0's shutdown(wait=False) leaves a server running
             self._transport = None
@@ -529,6 +531,8 @@ class ElasticMembership:
 
     def _record_quorum(self) -> Quorum:
         result, errored = self._recorder.last, self._manager.errored()
+        if errored is not None:
+            _release_frames(errored.original_exception)
         self._recorder.last = None
         quorum = Quorum(quorum_id=int(result.quorum_id), members=tuple(result.replica_ids),
                         index=int(result.replica_rank), max_step=int(result.max_step), healed=self._healed,
@@ -599,6 +603,34 @@ class ElasticMembership:
     def connected(self) -> bool:
         """Between :meth:`connect` and :meth:`shutdown`."""
         return self._manager is not None
+
+
+def _drop_rust_services(manager: Any, recorder: _QuorumRecorder | None) -> None:
+    """Drop the shut-down Manager's Rust server and client now, and with them their tokio runtimes' threads
+    ("torchft-manager", "torchft-mgrclnt").
+
+    torchft 0.2.0 keeps the Manager in a reference cycle (its ``_ManagerLogger`` points back at it; our recorder is
+    another), so without this those threads live on until the garbage collector runs. A process that forks later
+    (a fork-started Lightning launch, a test after this one) would copy locks those threads hold into its child."""
+    manager._manager = None  # the ManagerServer: already shut down by Manager.shutdown
+    manager._client = None
+    if recorder is not None:
+        recorder._inner = None
+    errored = manager.errored()
+    if errored is not None:
+        _release_frames(errored.original_exception)
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames in ``error``'s traceback (and those of its causes), keeping the
+    exception and its message. A failed heal's traceback holds torchft's quorum frame, and in it the client it opened
+    to the heal source, with that client's runtime threads: whoever keeps the error (a Quorum, a log record) would
+    keep them running until a garbage collection (see _drop_rust_services)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _release_process_group(pg: Any) -> None:
