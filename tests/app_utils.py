@@ -30,6 +30,11 @@ QUICK = [
     "callbacks.lr_monitor=null",
 ]
 
+# QUICK for a run inside the test process: the ranks are forked from it instead of spawned (a spawned rank is a fresh
+# interpreter that imports torch and Lightning again, about 7 CPU-seconds each). The default, spawn, stays covered
+# where the app really starts: the console-script run and the session's sweep (test_train_app.py).
+IN_PROCESS = [*QUICK, "strategy.start_method=fork"]
+
 _cache: dict[str, Path] = {}
 
 
