@@ -30,6 +30,11 @@ QUICK = [
     "callbacks.lr_monitor=null",
 ]
 
+# QUICK for a run inside the test process: the ranks are forked from it instead of spawned (a spawned rank is a fresh
+# interpreter that imports torch and Lightning again, about 7 CPU-seconds each). The default, spawn, stays covered
+# where the app really starts: the console-script run and the session's sweep (test_train_app.py).
+IN_PROCESS = [*QUICK, "strategy.start_method=fork"]
+
 _cache: dict[str, Path] = {}
 
 
@@ -63,27 +68,50 @@ def run_app(args: list[str], cwd: Path, timeout: float = 400, executable: list[s
     return subprocess.run(command, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def finished_sweep(tmp_path_factory) -> Path:
-    """A real 2-job x 2-worker sweep (diloco, ddp) with ``logger=tensorboard``, run once per session; returns its folder.
+def _sweep_root(tmp_path_factory) -> Path:
+    """The sweep's working folder: one per test run, shared by the run's xdist workers.
 
-    A sweep that failed is not run again for the next test that asks: each gets the first failure at once (a
+    ``xdist_group("sweep")`` alone does not keep the sweep's readers on one worker: with pytest 9.2 and xdist 3.8 the
+    group suffix xdist writes into ``item._nodeid`` is ignored (pytest keeps the id in ``item._id``), and each worker
+    ran its own 50 s sweep. Workers of one run share the folder above their basetemp and the run's uid."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # not under xdist: this process is the only reader
+        return tmp_path_factory.mktemp("sweep_cwd")
+    return tmp_path_factory.getbasetemp().parent / f"sweep_cwd-{run}"
+
+
+def finished_sweep(tmp_path_factory) -> Path:
+    """A real 2-job x 2-worker sweep (diloco, ddp) with ``logger=tensorboard``, run once per test run; returns its
+    folder.
+
+    Under xdist the first worker that asks runs it under a file lock and the others wait on the lock and read it. A
+    sweep that failed is not run again for the next test that asks: each gets the first failure at once (a
     timed-out sweep used to cost its 400 s once per test)."""
-    if "sweep_failure" in _cache:
-        raise AssertionError(_cache["sweep_failure"])
-    if "sweep" not in _cache:
-        root = tmp_path_factory.mktemp("sweep_cwd")
-        sweep_dir = root / "sweep"
-        cache_dir = shared_cache_dir(tmp_path_factory)
-        args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, "logger=tensorboard", f"cache_dir={cache_dir}",
-                f"hydra.sweep.dir={sweep_dir}"]
-        try:
-            result = run_app(args, cwd=root)
-        except subprocess.TimeoutExpired as error:
-            _cache["sweep_failure"] = f"sweep timed out: {error}"
-            raise
-        if result.returncode != 0:
-            _cache["sweep_failure"] = f"sweep failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-            raise AssertionError(_cache["sweep_failure"])
-        _cache["sweep"] = sweep_dir
-        _cache["sweep_output"] = root
+    from filelock import FileLock
+
+    if "sweep" in _cache:
+        return _cache["sweep"]
+    root = _sweep_root(tmp_path_factory)
+    failure, done = root.parent / f"{root.name}.failed", root.parent / f"{root.name}.done"
+    with FileLock(str(root.parent / f"{root.name}.lock")):
+        if failure.exists():
+            raise AssertionError(failure.read_text())
+        if not done.exists():
+            _run_sweep(root, shared_cache_dir(tmp_path_factory), failure)
+            done.touch()
+    _cache["sweep"] = root / "sweep"
     return _cache["sweep"]
+
+
+def _run_sweep(root: Path, cache_dir: Path, failure: Path) -> None:
+    root.mkdir(exist_ok=True)
+    args = ["-m", "experiment=demo", "strategy=diloco,ddp", *QUICK, "logger=tensorboard", f"cache_dir={cache_dir}",
+            f"hydra.sweep.dir={root / 'sweep'}"]
+    try:
+        result = run_app(args, cwd=root)
+    except subprocess.TimeoutExpired as error:
+        failure.write_text(f"sweep timed out: {error}")
+        raise
+    if result.returncode != 0:
+        failure.write_text(f"sweep failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+        raise AssertionError(failure.read_text())

@@ -71,11 +71,27 @@ def _nodes(node):
             yield from _nodes(node._get_node(key))
 
 
+@pytest.fixture(scope="module")
+def option_config(tmp_path_factory):
+    """The composed config of one ``group=option`` (with a text source), composed once for the two tests that read
+    it: composing is most of their time. The tests only read it."""
+    output_dir = tmp_path_factory.mktemp("option_configs")
+    configs: dict[tuple[str, str], DictConfig] = {}
+
+    def composed(group: str, option: str) -> DictConfig:
+        if (group, option) not in configs:
+            overrides = [f"{group}={option}", "data.source=/some/corpus.txt"]
+            configs[group, option] = compose_config(overrides, output_dir=output_dir)
+        return configs[group, option]
+
+    return composed
+
+
 @pytest.mark.parametrize("group", ("strategy", "model", "data", "topology", "trainer", "logger", "callbacks"))
-def test_config_keys_are_exactly_the_constructor_arguments(group, tmp_path):
+def test_config_keys_are_exactly_the_constructor_arguments(group, option_config):
     """No key the class would reject, and (for this package's classes) no argument the config hides."""
     for option in _options(group):
-        cfg = compose_config([f"{group}={option}", "data.source=x"], output_dir=tmp_path)
+        cfg = option_config(group, option)
         for node in _nodes(cfg[group]):
             keys = {k for k in node if k not in ("_target_", "_partial_", "_convert_")}
             parameters, open_kwargs = _parameters(get_object(node._target_))
@@ -101,9 +117,8 @@ def test_every_group_has_its_options():
 @pytest.mark.parametrize(
     "group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=str
 )
-def test_every_option_composes_and_targets_real_classes(group, option, tmp_path):
-    overrides = [f"{group}={option}"] + (["data.source=/some/corpus.txt"] if option == "text" else [])
-    cfg = compose_config(overrides, output_dir=tmp_path)
+def test_every_option_composes_and_targets_real_classes(group, option, option_config):
+    cfg = option_config(group, option)
     for target in _targets(cfg):
         assert callable(get_object(target)), target
 

@@ -68,10 +68,25 @@ def test_gossip_round_is_exactly_adapt_then_combine():
 
 
 # ------------------------------------------------------------------ the experiment presets
+@pytest.fixture(scope="module")
+def composed_cell(tmp_path_factory):
+    """pc.compose_cell, once per (cell, extra overrides) for the tests of this module, which only read the config."""
+    output_dir = tmp_path_factory.mktemp("cells")
+    configs = {}
+
+    def composed(cell, extra=()):
+        key = (tuple(cell.overrides()), tuple(extra))
+        if key not in configs:
+            configs[key] = pc.compose_cell(cell, [*extra, f"output_dir={output_dir}"])
+        return configs[key]
+
+    return composed
+
+
 @pytest.mark.parametrize("claim", pc.CLAIMS, ids=lambda c: c.key)
-def test_every_method_of_a_claim_composes_and_is_stable_on_8_workers(claim, tmp_path):
+def test_every_method_of_a_claim_composes_and_is_stable_on_8_workers(claim, composed_cell):
     for cell in claim.cells:
-        cfg = pc.compose_cell(cell, [f"output_dir={tmp_path}"])
+        cfg = composed_cell(cell)
         assert cfg.trainer.devices == 8 and cfg.strategy._target_.endswith(
             {"ddp": "DDPStrategy", "diloco": "DiLoCoStrategy"}.get(cell.method, "GASLoCStrategy"))
         if cell.method != "ddp":
@@ -80,11 +95,11 @@ def test_every_method_of_a_claim_composes_and_is_stable_on_8_workers(claim, tmp_
 
 @pytest.mark.parametrize("scale", ("cpu", "gpu"))
 @pytest.mark.parametrize("claim", pc.CLAIMS, ids=lambda c: c.key)
-def test_methods_of_a_claim_get_equal_tokens_in_whole_rounds(claim, scale, tmp_path):
+def test_methods_of_a_claim_get_equal_tokens_in_whole_rounds(claim, scale, composed_cell):
     budgets = {}
     for cell in claim.cells:
         extra = pc.GPU_OVERRIDES[cell.experiment] if scale == "gpu" else []
-        cfg = pc.compose_cell(cell, [*extra, f"output_dir={tmp_path}"])
+        cfg = composed_cell(cell, extra)
         budget = pc.cell_budget(cfg)
         assert budget.steps % budget.inner_steps == 0 and budget.steps % cfg.trainer.val_check_interval == 0
         assert cfg.trainer.accelerator == scale

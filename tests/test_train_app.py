@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from app_utils import CONF, EXPERIMENTS, QUICK, compose_config, finished_sweep, run_app, shared_cache_dir
+from app_utils import CONF, EXPERIMENTS, IN_PROCESS, QUICK, compose_config, finished_sweep, run_app, shared_cache_dir
 from gasloc_lightning.app.summary import SUMMARY_FILE
+from gasloc_lightning.app import train as train_module
 from gasloc_lightning.app.train import build, isolated_job, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -22,14 +23,14 @@ def _summary(run_dir: Path) -> dict:
 
 
 def quick_overrides(experiment: str) -> tuple[list[str], int]:
-    """QUICK, except that network scenarios keep their 8 workers (their network model has 8), forked
-    so that 8 workers start in seconds, and keep inner_steps=auto where they set it."""
+    """IN_PROCESS (QUICK with forked ranks), except that network scenarios keep their 8 workers (their network
+    model has 8) and keep inner_steps=auto where they set it."""
     if not experiment.startswith("scenario_"):
-        return QUICK, 2
+        return IN_PROCESS, 2
     text = (CONF / "experiment" / f"{experiment}.yaml").read_text()
     steps = ["strategy.fastest_inner_steps=2"] if "inner_steps: auto" in text else ["inner_steps=2"]
-    quick = [o for o in QUICK if not o.startswith(("trainer.devices=", "inner_steps="))]
-    return [*quick, *steps, "trainer.devices=8", "strategy.start_method=fork"], 8
+    quick = [o for o in IN_PROCESS if not o.startswith(("trainer.devices=", "inner_steps="))]
+    return [*quick, *steps, "trainer.devices=8"], 8
 
 
 @pytest.mark.timeout(300)
@@ -59,7 +60,7 @@ def _validation_steps(run_dir: Path, summary: dict) -> list[int]:
 def test_a_short_run_validates_the_final_model(tmp_path, tmp_path_factory, fresh_port):
     """max_steps=5 with val_check_interval=2 and H=3: validations at 2, 4 and after the last step, on the
     model fit returns (the final, shorter round runs before that validation, not after it)."""
-    overrides = [*QUICK, "trainer.max_steps=5", "trainer.val_check_interval=2", "inner_steps=3"]
+    overrides = [*IN_PROCESS, "trainer.max_steps=5", "trainer.val_check_interval=2", "inner_steps=3"]
     cfg = compose_config(overrides, output_dir=tmp_path, cache_dir=shared_cache_dir(tmp_path_factory))
     with isolated_job():
         trainer, model, datamodule = build(cfg)
@@ -90,13 +91,24 @@ def test_console_script_trains_and_prints_the_budget(tmp_path, tmp_path_factory)
     assert (run_dir / ".hydra" / "config.yaml").is_file()
 
 
-@pytest.mark.timeout(300)
-def test_popen_launcher_is_refused_under_multirun(tmp_path):
-    result = run_app(["-m", "strategy.start_method=popen", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                     cwd=tmp_path)
-    assert result.returncode != 0
-    assert "start_method=popen cannot run under gasloc-train -m" in result.stderr
-    assert not list((tmp_path / "sweep").glob("*/summary.json"))
+def test_popen_launcher_is_refused_under_multirun(tmp_path, monkeypatch):
+    """In process: the config a ``-m`` job gets (hydra.mode=MULTIRUN in the Hydra config the app reads). The
+    sweep below proves that a real ``-m`` run reaches train() with that config."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = ["strategy.start_method=popen", *QUICK, f"output_dir={tmp_path / 'job'}", "hydra.mode=MULTIRUN"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    # Were the refusal gone, Lightning's popen launcher would re-run this pytest's command line in every rank.
+    monkeypatch.setattr(train_module, "build", lambda cfg: pytest.fail("a refused job was built"))
+    HydraConfig.instance().set_config(cfg)
+    try:
+        with pytest.raises(ValueError, match="start_method=popen cannot run under gasloc-train -m"):
+            train(cfg)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert not (tmp_path / "job").exists()
 
 
 @pytest.mark.timeout(600)
