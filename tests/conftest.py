@@ -208,3 +208,22 @@ def threads_safe_to_fork():
         pytest.fail(f"this process runs {len(left)} thread(s) that earlier tests left: "
                     f"{_LEDGER.describe(left) if _LEDGER else left}; a fork now could copy a held lock into the "
                     "child and hang it, so this test does not fork.", pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Make ``--dist loadgroup`` keep each ``xdist_group`` on one worker again.
+
+    pytest-xdist (3.8) marks a grouped test by appending ``@<group>`` to ``item._nodeid``; pytest 9.2 reads the id
+    from ``item._id``, so the suffix is lost and the groups are spread over the workers (the sweep ran on both, and
+    the netlab tests, which must not run beside each other, did). Here the suffix goes where pytest reads it, in
+    the workers only (where xdist's own hook ran), and only when it is missing (an older pytest keeps xdist's)."""
+    if not getattr(config.option, "loadgroup", False) or not hasattr(config, "workerinput"):
+        return
+    from _pytest.nodeid import coerce_node_id  # pytest >= 9.2; before it the suffix is never missing
+
+    for item in items:
+        groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                         for mark in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")
