@@ -264,7 +264,9 @@ def test_term_makes_a_worker_leave_cleanly(tmp_path, cache_dir, monkeypatch):
                 except OSError:
                     continue
 
-    summary = _run(["elastic.workers=4", "elastic.chaos=[term:2@40]"], tmp_path, cache_dir, on_poll=sample)
+    # exec: the secret is read from /proc/<pid>/environ, which shows what a fresh interpreter was given
+    summary = _run(["elastic.workers=4", "elastic.chaos=[term:2@40]", "elastic.worker_start=exec"], tmp_path,
+                   cache_dir, on_poll=sample)
     assert given == {"a-secret-the-user-shares-between-machines"}, "the launcher's own secret was not passed on"
     rows = _rows(summary)
     leaver = rows[2]
