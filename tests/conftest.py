@@ -220,10 +220,10 @@ def pytest_collection_modifyitems(config, items):
     the workers only (where xdist's own hook ran), and only when it is missing (an older pytest keeps xdist's)."""
     if not getattr(config.option, "loadgroup", False) or not hasattr(config, "workerinput"):
         return
-    from _pytest.nodeid import coerce_node_id  # pytest >= 9.2; before it the suffix is never missing
-
     for item in items:
         groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
                          for mark in item.iter_markers("xdist_group")})
-        if groups and "@" not in item.nodeid:
+        if groups and item.nodeid.rfind("@") <= item.nodeid.rfind("]"):  # xdist's rule: an id's "@" may be a param's
+            from _pytest.nodeid import coerce_node_id  # pytest >= 9.2, the only one where the suffix goes missing
+
             item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(groups)}")

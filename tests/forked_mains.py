@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -13,9 +14,24 @@ from gasloc_lightning.strategies.launcher import exit_with_parent
 def report_and_exit(arguments: list[str]) -> None:
     """Print what the process is (session, environment, argv, threads), then exit with code ``arguments[0]``."""
     print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "env": dict(os.environ), "argv": sys.argv[1:],
-                      "stdin_is_devnull": os.path.samefile(f"/proc/self/fd/{sys.stdin.fileno()}", os.devnull)}),
+                      "stdin_is_devnull": os.path.samefile(f"/proc/self/fd/{sys.stdin.fileno()}", os.devnull),
+                      "mp_parent": multiprocessing.parent_process() is not None,
+                      "start_method": multiprocessing.get_start_method(),
+                      "child_exit": _a_child_of_its_own()}),
           flush=True)
     sys.exit(int(arguments[0]))
+
+
+def _exit_3() -> None:
+    sys.exit(3)
+
+
+def _a_child_of_its_own() -> int | None:
+    """A worker may start processes (a DataLoader's workers): the exit code of one it started."""
+    child = multiprocessing.get_context("fork").Process(target=_exit_3)
+    child.start()
+    child.join()
+    return child.exitcode
 
 
 def wait_forever(arguments: list[str]) -> None:

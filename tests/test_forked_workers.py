@@ -15,18 +15,29 @@ from pathlib import Path
 import pytest
 
 from forked_mains import report_and_exit, wait_forever
-from gasloc_lightning.app.forked_workers import start_forked
+from gasloc_lightning.app.forked_workers import start_forked, stop_fork_server
 from gasloc_lightning.strategies.launcher import LAUNCHER_PID_ENV
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+@pytest.fixture(autouse=True)
+def _stop_the_server():
+    """The tests that fork here stop the server they started, as the launcher does at the end of a run."""
+    yield
+    stop_fork_server()
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text()
+    except (ProcessLookupError, FileNotFoundError):
         return True
-    return Path(f"/proc/{pid}/status").read_text().count("zombie") > 0
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def test_a_forked_worker_is_a_process_of_its_own_and_reports_its_exit_code(tmp_path, monkeypatch):
@@ -42,6 +53,8 @@ def test_a_forked_worker_is_a_process_of_its_own_and_reports_its_exit_code(tmp_p
     assert seen["pid"] == worker.pid and seen["sid"] == worker.pid != os.getsid(0)  # its own session
     assert seen["env"] == env, "the worker must see exactly the environment it was given"
     assert seen["argv"] == ["3", "x=1"] and seen["stdin_is_devnull"]
+    # as a fresh interpreter: no multiprocessing parent, the platform's start method, and children of its own
+    assert not seen["mp_parent"] and seen["start_method"] == "fork" and seen["child_exit"] == 3
     worker.send_signal(signal.SIGTERM)  # after the end: a no-op, as Popen's
 
 
@@ -60,7 +73,9 @@ def test_a_forked_worker_times_out_then_stops_on_sigkill(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_forked_worker_exits_when_its_launcher_is_killed(tmp_path):
+def test_a_forked_worker_even_stopped_exits_with_its_fork_server_when_its_launcher_is_killed(tmp_path):
+    """SIGSTOPped (a stall), the worker's own watchdog cannot act: the fork server exits once the launcher's end of
+    its pipe closes, and its death SIGKILLs the worker."""
     log, worker_pid = tmp_path / "worker.log", None
     launcher = subprocess.Popen([sys.executable, str(SCRIPTS / "forked_launcher.py"), str(log)],
                                 stdout=subprocess.PIPE, text=True)
@@ -70,11 +85,13 @@ def test_a_forked_worker_exits_when_its_launcher_is_killed(tmp_path):
         while not (log.exists() and "ready" in log.read_text()):
             assert time.monotonic() < deadline and launcher.poll() is None, "the forked worker never got ready"
             time.sleep(0.05)
+        server = _parent(worker_pid)
+        os.kill(worker_pid, signal.SIGSTOP)
         launcher.kill()
         launcher.wait()
-        deadline = time.monotonic() + 30  # a failure deadline: the watchdog wakes on the launcher's pidfd
-        while not _gone(worker_pid):
-            assert time.monotonic() < deadline, f"worker {worker_pid} outlived its killed launcher"
+        deadline = time.monotonic() + 30  # a failure deadline: the server reads its pipe's end at once
+        while not (_gone(worker_pid) and _gone(server)):
+            assert time.monotonic() < deadline, f"worker {worker_pid} or its server {server} outlived the launcher"
             time.sleep(0.05)
     finally:
         if launcher.poll() is None:

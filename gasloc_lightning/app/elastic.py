@@ -1001,6 +1001,7 @@ def run_elastic(cfg: DictConfig, on_poll: Callable[[ElasticRun], None] | None = 
                 print("a second signal: stopping the workers now", flush=True)
     finally:
         run.stop()
+        stop_fork_server()  # its workers are stopped: a later run forks from a server with the code of its time
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         run.clean_up()
@@ -1062,8 +1063,6 @@ def main(cfg: DictConfig) -> None:
     except ElasticInterrupted as interrupted:
         print(interrupted, file=sys.stderr, flush=True)
         raise SystemExit(128 + interrupted.signum) from None
-    finally:
-        stop_fork_server()  # every worker has been stopped: its server goes too, before the launcher exits
 
 
 if __name__ == "__main__":

@@ -4,15 +4,29 @@ A fresh ``python -m gasloc_lightning.app.elastic_worker`` spends about 7.5 CPU-s
 ``torch._dynamo`` and Lightning (with the torchmetrics, transformers and matplotlib that Lightning pulls in)
 before it does anything: a four-worker run on two cores waits half a minute for its first quorum, and every
 chaos restart pays it again. Python's ``multiprocessing`` fork server imports the worker module once; each
-worker is then a fork of that single-threaded server, never of the launcher (a fork copies the parent's
+worker is then a fork of that server (it runs no Python thread; importing torch starts one idle native thread),
+never of the launcher (a fork copies the parent's
 threads' locks in whatever state they are in, and the launcher runs threads).
 
 A forked worker sees what a fresh process would: its own session (Ctrl-C in a terminal reaches the launcher
-only), its output appended to its log, exactly the environment the launcher gives it, stdin on /dev/null. It
-exits when the launcher does: a watchdog on the launcher's pid, and a parent-death signal from the fork server,
-which exits with the launcher too. What
-travels from the launcher to the server is the worker's command line, environment and log path, over the
-standard library's private socket (a directory only this user can read); nothing from a peer or a file.
+only), its output appended to its log, exactly the environment the launcher gives it, stdin on /dev/null, no
+multiprocessing parent, and it may start processes of its own (a DataLoader's workers). Its differences from a
+fresh interpreter: what torch, torchft and OpenMP read from the environment at import (``RUST_LOG``,
+``TORCH_LOGS``, ``OMP_*`` besides the thread count, which is applied again) is what the launcher had when the
+server started, and ``/proc/<pid>/environ`` and ``cmdline`` show the server's (``elastic.worker_start=exec``
+where that matters).
+
+Lifetime. The server runs in its own session (``fork_server_session``), so a signal to the launcher's process
+group reaches the launcher, which makes the workers leave cleanly. It exits when the launcher does (the launcher
+holds the only writing end of its "alive" pipe: each fork closes the copy it is handed), and every fork gets
+SIGKILL when the server exits (a parent-death signal armed before anything else runs), even a stopped one. A
+watchdog on the launcher's own pid is a second guard. The launcher stops the server at the end of each run, so a
+long-lived process (a notebook, a test session) never forks workers from stale code.
+
+What travels from the launcher to the server is the worker's command line, environment and log path, over the
+standard library's socket in a directory only this user can read (Python 3.11's fork server authenticates no
+client: any process of the same user could ask it to fork, which that user can do anyway); nothing from a peer
+or a file.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +44,9 @@ WORKER_MODULE = "gasloc_lightning.app.elastic_worker"
 WORKER_STARTS = ("forkserver", "exec")  # exec: a fresh interpreter per worker (needed where a command wraps it)
 
 _CONTEXT = multiprocessing.get_context("forkserver")
+_PRELOAD = ["gasloc_lightning.app.fork_server_session", WORKER_MODULE]  # its own session first, then the imports
+_server_started = False  # whether this process has used the server (stop_fork_server stops only that one)
+_STOP_WAIT_S = 30.0  # the server exits at once on its pipe's end, unless still importing (about 7.5 CPU-s)
 
 
 class ForkedWorker:
@@ -85,7 +103,9 @@ def start_forked(main: Callable[[list[str]], object], arguments: list[str], log_
     Args:
         main: a module-level function (the server imports its module, if it has not already).
     """
-    _CONTEXT.set_forkserver_preload([WORKER_MODULE])  # takes effect when the server starts (the first worker)
+    global _server_started
+    _CONTEXT.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first worker of a run)
+    _server_started = True
     process = _CONTEXT.Process(target=_run, args=(main, list(arguments), str(log_path), dict(env)),
                                name=f"gasloc-worker:{Path(log_path).parent.name}", daemon=True)
     process.start()
@@ -93,18 +113,36 @@ def start_forked(main: Callable[[list[str]], object], arguments: list[str], log_
 
 
 def stop_fork_server() -> None:
-    """Stop the fork server and wait for it to exit (it would exit with this process anyway: a launcher that returns
-    leaves nothing running). A later forked worker starts a new one. Python has no public call for this: where
-    its private one is missing, the server is left to exit with this process."""
+    """Stop the fork server and reap it: its forks (there should be none left) get SIGKILL as it exits. A later
+    forked worker starts a new one. Python has no public call for this; where its private state is missing, the
+    server is left to exit with this process."""
     import multiprocessing.forkserver as forkserver
 
-    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
-    if stop is not None:
-        stop()
+    global _server_started
+    if not _server_started:
+        return
+    _server_started = False
+    server = getattr(forkserver, "_forkserver", None)
+    pid, alive_fd = getattr(server, "_forkserver_pid", None), getattr(server, "_forkserver_alive_fd", None)
+    if server is None or pid is None or alive_fd is None:
+        return
+    os.close(alive_fd)  # the server reads the end of its pipe and exits
+    deadline = time.monotonic() + _STOP_WAIT_S
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:  # stuck (in its imports): its forks die with it
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    address = getattr(server, "_forkserver_address", None)
+    if address and isinstance(address, str) and os.path.exists(address):
+        os.unlink(address)
+    server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
 
 
 def _run(main: Callable[[list[str]], object], arguments: list[str], log_path: str, env: dict[str, str]) -> None:
     """In the fork: become the process ``subprocess.Popen`` would have started, then call ``main``."""
+    _leave_the_server()
     os.setsid()
     os.environ.clear()
     os.environ.update(env)
@@ -121,3 +159,28 @@ def _run(main: Callable[[list[str]], object], arguments: list[str], log_path: st
         torch.set_num_threads(int(threads))
     sys.argv = [sys.modules[main.__module__].__file__ or main.__module__, *arguments]
     main(arguments)
+
+
+def _leave_the_server() -> None:
+    """Drop what ties this fork to the server and the launcher, and die with the server.
+
+    The fork is handed copies of the launcher's end of the server's "alive" pipe and of the resource tracker's
+    pipe: kept, they would keep the server alive after the launcher died. It is marked as a daemonic child of the
+    launcher (which may not start processes) and defaults to the fork-server start method: a fresh interpreter is
+    neither."""
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.process as mp_process
+    import multiprocessing.resource_tracker as resource_tracker
+
+    from gasloc_lightning.strategies.launcher import set_parent_death_signal
+
+    set_parent_death_signal(os.getppid())  # the server: it exits when the launcher does
+    for holder, attribute in ((forkserver._forkserver, "_forkserver_alive_fd"),
+                              (resource_tracker._resource_tracker, "_fd")):
+        fd = getattr(holder, attribute, None)
+        if fd is not None:
+            os.close(fd)
+            setattr(holder, attribute, None)
+    multiprocessing.current_process().daemon = False
+    mp_process._parent_process = None  # as a fresh interpreter: no multiprocessing parent
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again

@@ -203,7 +203,9 @@ def _watch_launcher(launcher: int) -> None:
         while _alive(launcher):
             time.sleep(_WATCHDOG_PERIOD_S)
     else:
-        select.select([pidfd], [], [])  # readable once the process has exited
+        poller = select.poll()  # (select.select fails on a descriptor past 1023)
+        poller.register(pidfd, select.POLLIN)
+        poller.poll()  # readable once the process has exited
     log.error("the launching process (pid %d) is gone: this worker exits", launcher)
     os._exit(1)
 
