@@ -99,3 +99,16 @@ def test_a_forked_worker_even_stopped_exits_with_its_fork_server_when_its_launch
             launcher.wait()
         if worker_pid is not None and not _gone(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("overrides", "forked"), [([], True), (["elastic.worker_start=exec"], False),
+                                                   (["trainer=gpu"], False)])
+def test_workers_are_forked_when_asked_and_on_cpu_only(overrides, forked, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from gasloc_lightning.app.config import config_dir
+    from gasloc_lightning.app.elastic import ElasticRun
+
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("elastic/app", overrides=["elastic.lighthouse=127.0.0.1:1", f"output_dir={tmp_path}", *overrides])
+    assert ElasticRun(cfg)._forks_workers is forked

@@ -450,6 +450,13 @@ class ElasticRun:
         OmegaConf.save(cfg, path)
         return WorkerRecord(worker=worker, output_dir=output_dir, config_path=path)
 
+    @property
+    def _forks_workers(self) -> bool:
+        """Forked from the preloaded server: asked for, here (no placement wraps the command), and on CPU (a fork
+        server that had initialised CUDA could not give it to its forks; not measured on a GPU: exec there)."""
+        accelerator = str(OmegaConf.select(self.cfg, "trainer.accelerator", default="cpu"))
+        return self.placement is None and self.elastic.worker_start == "forkserver" and accelerator == "cpu"
+
     def _spawn(self, record: WorkerRecord, held: bool = False, founder: bool = False) -> None:
         """Start the worker's next incarnation (``held``: it builds everything, then waits for its release).
 
@@ -475,7 +482,7 @@ class ElasticRun:
             if record.resume_from is not None:
                 arguments.append(f"ckpt_path={record.resume_from}")
         log_path = record.output_dir / "worker.log"
-        if self.placement is None and self.elastic.worker_start == "forkserver":
+        if self._forks_workers:
             process: WorkerProcess = start_forked_worker(arguments, log_path, env)
         else:
             command = [sys.executable, "-m", WORKER_MODULE, *arguments]
