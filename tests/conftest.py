@@ -79,8 +79,10 @@ def one_torch_thread():
 # multiprocessing children fails, after they are killed by pid; and a fork-started test refuses to fork beside
 # leftover threads, naming them, instead of hanging.
 
-# torchft's process-wide TimeoutManager (torchft.futures): started once, on first use, for the process's lifetime.
-_LIFETIME_THREADS = ("TimeoutManager", "(_watchdog_loop)")
+# Started once, on first use, for the process's lifetime, and safe beside a fork: torchft's TimeoutManager
+# (torchft.futures) and its watchdog; jemalloc's background purger (pyarrow's allocator, loaded with `datasets`:
+# jemalloc takes its locks around fork() in its own atfork handlers); tqdm's monitor (a Python thread that sleeps).
+_LIFETIME_THREADS = ("TimeoutManager", "(_watchdog_loop)", "jemalloc_bg_thd", "tqdm_monitor")
 _THREAD_GRACE_S = 10.0  # a bounded wait for threads that are ending (an observer's last sleep, a joined server)
 _CHILD_GRACE_S = 10.0
 _MAIN_COMM = Path("/proc/self/comm").read_text().strip() if Path("/proc/self/comm").exists() else ""
