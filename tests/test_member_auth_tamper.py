@@ -29,9 +29,11 @@ _SCRIPT = Path(__file__).parent / "scripts" / "split_abort.py"
 def store_server():
     from gasloc_lightning.comm.endpoints import Endpoint, listening_store
 
-    master = listening_store(Endpoint(), timeout=5)
-    yield master
-    del master
+    # The test gets the port only: pytest keeps a test's fixture values until after its teardown, so a store handed
+    # to the test would outlive it, with its libuv thread (conftest fails a module that leaves threads).
+    held = [listening_store(Endpoint(), timeout=5)]
+    yield SimpleNamespace(port=held[0].port)
+    held.clear()
 
 
 def _client(port: int, prefix: str | None = None):

@@ -48,7 +48,7 @@ def make_transport():
 
     yield make
     for transport in made:
-        transport.shutdown(wait=False)
+        transport.shutdown()  # waits for its handlers: a test that leaves a connection open must not leave a thread
 
 
 def wait_until(condition, seconds: float) -> bool:
@@ -88,9 +88,9 @@ def capture_a_request(monkeypatch, transport: AuthenticatedStateTransport, step:
         return b"GET /nothing HTTP/1.0\r\n\r\n"
 
     monkeypatch.setattr(state_transfer, "_request", record)
-    with pytest.raises(StateTransferError):
-        AuthenticatedStateTransport(bind="127.0.0.1", secret=SECRET, timeout=5.0).recv_checkpoint(
-            0, transport.metadata(), step, 5.0)
+    with AuthenticatedStateTransport(bind="127.0.0.1", secret=SECRET, timeout=5.0) as joiner:  # stopped on exit
+        with pytest.raises(StateTransferError):
+            joiner.recv_checkpoint(0, transport.metadata(), step, 5.0)
     monkeypatch.setattr(state_transfer, "_request", real)
     return captured[0]
 
