@@ -142,9 +142,11 @@ def test_a_rogue_heal_source_never_runs_code_and_the_joiner_fails_cleanly(lighth
     assert joiner.loaded == []  # nothing was applied
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_a_quorum_larger_than_max_workers_sends_the_surplus_member_away(lighthouse):
-    members = [Member(lighthouse, worker_id, max_workers=2, first_quorum_delay=1.5, quorum_timeout=10)
+    # quorum_timeout is a failure deadline: the quorum after the surplus member leaves waits out the lighthouse's
+    # join timeout, and at 10 s a loaded machine missed it (seen twice in -n 2 runs)
+    members = [Member(lighthouse, worker_id, max_workers=2, first_quorum_delay=1.5, quorum_timeout=60)
                for worker_id in range(3)]
     for member in members:
         member.membership.connect()
@@ -154,7 +156,7 @@ def test_a_quorum_larger_than_max_workers_sends_the_surplus_member_away(lighthou
             outcomes = []
             for future in futures:
                 try:
-                    outcomes.append(future.result(timeout=40))
+                    outcomes.append(future.result(timeout=120))
                 except SurplusWorkerError as error:
                     outcomes.append(error)
     finally:
