@@ -291,6 +291,11 @@ class WorkerRecord:
         return self.process is not None and self.process.poll() is None
 
     @property
+    def spare_building(self) -> bool:
+        """Its next incarnation is started and still building (neither ready to be released nor exited)."""
+        return self.spare is not None and self.spare.poll() is None and not ready_file(self.spare_release).exists()
+
+    @property
     def stalled(self) -> bool:
         return self.stalled_until is not None or self.stalled_until_step is not None
 
@@ -402,7 +407,7 @@ class ElasticRun:
         deadline = time.monotonic() + self.elastic.timeout_s
         waiting = list(self.workers)
         while waiting:
-            waiting = [r for r in waiting if r.spare.poll() is None and not ready_file(r.spare_release).exists()]
+            waiting = [r for r in waiting if r.spare_building]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gasloc-elastic: workers {[r.worker for r in waiting]} were not ready within "
                                    f"elastic.timeout_s={self.elastic.timeout_s:g}s")
@@ -581,10 +586,7 @@ class ElasticRun:
     def _spare_building(self, event: ChaosEvent) -> bool:
         """Whether ``event`` kills or ends a worker whose restart's spare is still building: it then waits (and the
         events after it), so that the restart joins at its step however slow the machine is."""
-        if event.action not in ("kill", "term"):
-            return False
-        spare = self.workers[event.worker].spare
-        return spare is not None and spare.poll() is None and not ready_file(self.workers[event.worker].spare_release).exists()
+        return event.action in ("kill", "term") and self.workers[event.worker].spare_building
 
     def _fire(self, event: ChaosEvent, step: int, pending: list[ChaosEvent]) -> bool:
         """Apply ``event``; False if it must wait (a restart of a worker that is still leaving)."""
