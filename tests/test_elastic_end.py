@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -221,6 +222,46 @@ def test_two_diverged_sides_meeting_in_one_quorum_are_averaged_into_one_model(li
         assert all(trackers[w].reconcile(quorums[w], transports[w], points[w]) is None for w in range(4))
     finally:
         for member in members:
+            member.shutdown()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("lighthouse", [2], indirect=True)
+def test_the_source_of_a_heal_with_no_collective_after_it_waits_until_its_healer_has_the_state(lighthouse):
+    """The end-of-fit decision: worker 0 holds the final step, worker 1 is behind and heals from it, and nothing
+    follows. Worker 1's fetch is held until worker 0 has started waiting (events, not timers): worker 0's
+    ``wait_for_healers`` returns only once worker 1 has the state, so worker 0 may then shut down safely."""
+    source_state, healer_state = {"x": torch.full((3,), 5.0)}, {"x": torch.zeros(3)}
+    source = _membership(lighthouse, 0, source_state, min_workers=2, start_step=8)
+    healer = _membership(lighthouse, 1, healer_state, min_workers=2)
+    source_waiting = threading.Event()
+    try:
+        for member in (source, healer):
+            member.connect()
+        source_wait_served = source._transport.wait_served
+
+        def wait_served(*args, **kwargs):
+            source_waiting.set()
+            return source_wait_served(*args, **kwargs)
+
+        healer_recv = healer._transport.recv_checkpoint
+
+        def recv_checkpoint(*args, **kwargs):
+            assert source_waiting.wait(timeout=60), "the source never waited for its healer"
+            return healer_recv(*args, **kwargs)
+
+        source._transport.wait_served, healer._transport.recv_checkpoint = wait_served, recv_checkpoint
+
+        def decide(member: ElasticMembership) -> tuple[Quorum, bool]:
+            quorum = member.start_quorum()
+            return quorum, member.wait_for_healers(quorum)
+
+        (source_quorum, served), (healer_quorum, _) = _in_threads(decide, [source, healer])
+        assert source_quorum.heals == 1 and healer_quorum.heals == 0 and healer_quorum.healed
+        assert served and source.heal_server_counters["served"] == 1
+        torch.testing.assert_close(healer_state["x"], source_state["x"])
+    finally:
+        for member in (source, healer):
             member.shutdown()
 
 

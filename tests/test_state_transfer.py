@@ -232,6 +232,20 @@ def test_round_trip_of_a_heal_state(make_transport):
     assert (sender.refused, receiver.served) == (0, 0)
 
 
+def test_wait_served_returns_once_the_staged_step_was_fetched_in_full(make_transport):
+    sender, receiver = make_transport(), make_transport()
+    sender.send_checkpoint(dst_ranks=[1, 2], step=7, state_dict=heal_state(), timeout=None)
+    assert not sender.wait_served(7, 1, timeout=0.05)  # staged, not fetched: it waits out its timeout
+    receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=7, timeout=5.0)
+    assert sender.wait_served(7, 1, timeout=5.0)  # a failure deadline: the server counts the last byte written
+    assert not sender.wait_served(7, 2, timeout=0.05) and not sender.wait_served(6, 1, timeout=0.05)
+    waiter = threading.Thread(target=lambda: sender.wait_served(7, 2, timeout=30.0))
+    waiter.start()
+    sender.shutdown(wait=False)  # a shut-down server serves no one more: the wait ends at once
+    waiter.join(timeout=10.0)
+    assert not waiter.is_alive()
+
+
 @pytest.mark.parametrize("signed", [False, True], ids=["wrong_mac", "rogue_knows_secret"])
 @pytest.mark.parametrize("kind", ["torch_archive", "raw_pickle"])
 def test_rogue_server_cannot_run_code_on_the_joiner(make_transport, tmp_path, signed, kind):

@@ -114,6 +114,7 @@ class Quorum:
         healed: whether this worker received a peer's state in this quorum.
         error: why this quorum cannot be used (its process group or the state transfer failed, e.g. a member
             died while it formed): its round then exchanges nothing, and the next quorum rebuilds the group.
+        heals: how many members heal from this worker in this quorum (torchft's ``recover_dst_replica_ranks``).
     """
 
     quorum_id: int
@@ -122,6 +123,7 @@ class Quorum:
     max_step: int
     healed: bool
     error: Exception | None = None
+    heals: int = 0
 
     @property
     def usable(self) -> bool:
@@ -536,7 +538,8 @@ class ElasticMembership:
         self._recorder.last = None
         quorum = Quorum(quorum_id=int(result.quorum_id), members=tuple(result.replica_ids),
                         index=int(result.replica_rank), max_step=int(result.max_step), healed=self._healed,
-                        error=None if errored is None else errored.original_exception)
+                        error=None if errored is None else errored.original_exception,
+                        heals=len(result.recover_dst_replica_ranks or ()))
         if not quorum.usable:
             log.warning("unusable quorum worker=%s quorum_id=%d round=%d error=%s", self.name, quorum.quorum_id,
                         quorum.max_step, str(quorum.error).splitlines()[0][:200])
@@ -554,6 +557,21 @@ class ElasticMembership:
         except Exception as error:
             raise _RefusedPeerState(error) from error
         self._healed = True
+
+    def wait_for_healers(self, quorum: Quorum) -> bool:
+        """Wait until every member that heals from this worker in ``quorum`` has fetched its state (at most
+        ``transfer_timeout``); whether they all did. Inside a round the collective that follows keeps the source
+        alive for its healers; where none follows (the end-of-fit decision), a source that left at once would cut
+        them off."""
+        if quorum.heals == 0:
+            return True
+        transport = self._transport
+        served = transport is not None and transport.wait_served(quorum.max_step, quorum.heals,
+                                                                  timeout=self.transfer_timeout)
+        if not served:
+            log.warning("healers did not fetch this worker's state worker=%s heals=%d step=%d within "
+                        "transfer_timeout=%gs", self.name, quorum.heals, quorum.max_step, self.transfer_timeout)
+        return served
 
     def commit(self, round_index: int, error: Exception | None = None) -> None:
         """End a round: report a failed exchange (after the round's collectives), and record ``round_index``

@@ -14,7 +14,9 @@ the same, with a step of its own (:func:`~gasloc_lightning.comm.run_end.final_st
    the same on every member:
 
    - at the final step: some member holds the committed average; torchft heals every member still behind from
-     one that holds it (members whose all-reduce completed hold the same average: one collective's result);
+     one that holds it (members whose all-reduce completed hold the same average: one collective's result). No
+     collective follows that heal, so a source waits until its healers have fetched the average
+     (:meth:`~gasloc_lightning.comm.membership.ElasticMembership.wait_for_healers`) before it goes on to leave;
    - below it: no member completed the all-reduce; the quorum averages again (from 1), until ``quorum_timeout``.
 
 A worker that dies anywhere inside leaves the survivors on one model. What a member cannot learn is a model it
@@ -104,6 +106,7 @@ class FinalAverage:
                 if is_final(quorum.max_step):
                     log.info("end-of-fit average committed worker=%s quorum=%s%s", membership.name,
                              ",".join(quorum.names), "" if prepared else " (took it from a peer)")
+                    membership.wait_for_healers(quorum)  # no collective follows: stay until they have the average
                 return quorum
             log.warning("end-of-fit average committed but not received worker=%s: %s (asking again)",
                         membership.name, quorum.error)
