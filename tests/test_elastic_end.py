@@ -238,11 +238,11 @@ def test_the_source_of_a_heal_with_no_collective_after_it_waits_until_its_healer
     try:
         for member in (source, healer):
             member.connect()
-        source_wait_served = source._transport.wait_served
+        source_wait_answered = source._transport.wait_answered
 
-        def wait_served(*args, **kwargs):
+        def wait_answered(*args, **kwargs):
             source_waiting.set()
-            return source_wait_served(*args, **kwargs)
+            return source_wait_answered(*args, **kwargs)
 
         healer_recv = healer._transport.recv_checkpoint
 
@@ -250,7 +250,7 @@ def test_the_source_of_a_heal_with_no_collective_after_it_waits_until_its_healer
             assert source_waiting.wait(timeout=60), "the source never waited for its healer"
             return healer_recv(*args, **kwargs)
 
-        source._transport.wait_served, healer._transport.recv_checkpoint = wait_served, recv_checkpoint
+        source._transport.wait_answered, healer._transport.recv_checkpoint = wait_answered, recv_checkpoint
 
         def decide(member: ElasticMembership) -> tuple[Quorum, bool]:
             quorum = member.start_quorum()

@@ -232,16 +232,20 @@ def test_round_trip_of_a_heal_state(make_transport):
     assert (sender.refused, receiver.served) == (0, 0)
 
 
-def test_wait_served_returns_once_the_staged_step_was_fetched_in_full(make_transport):
+def test_wait_answered_returns_once_each_request_for_the_step_was_served_or_refused_for_good(make_transport):
     sender, receiver = make_transport(), make_transport()
+    intruder = make_transport(secret=b"a-guess-" + b"y" * 24)
     sender.send_checkpoint(dst_ranks=[1, 2], step=7, state_dict=heal_state(), timeout=None)
-    assert not sender.wait_served(7, 1, timeout=0.05)  # staged, not fetched: it waits out its timeout
+    assert not sender.wait_answered(7, 1, timeout=0.05)  # staged, not fetched: it waits out its timeout
     receiver.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=7, timeout=5.0)
-    assert sender.wait_served(7, 1, timeout=5.0)  # a failure deadline: the server counts the last byte written
-    assert not sender.wait_served(7, 2, timeout=0.05) and not sender.wait_served(6, 1, timeout=0.05)
-    waiter = threading.Thread(target=lambda: sender.wait_served(7, 2, timeout=30.0))
+    assert sender.wait_answered(7, 1, timeout=5.0)  # a failure deadline: the server counts the last byte written
+    assert not sender.wait_answered(7, 2, timeout=0.05) and not sender.wait_answered(6, 1, timeout=0.05)
+    with pytest.raises(StateTransferError, match="403"):  # without the secret: refused, it can never have it
+        intruder.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=7, timeout=5.0)
+    assert sender.wait_answered(7, 2, timeout=5.0) and (sender.served, sender.refused) == (1, 1)
+    waiter = threading.Thread(target=lambda: sender.wait_answered(7, 3, timeout=30.0))
     waiter.start()
-    sender.shutdown(wait=False)  # a shut-down server serves no one more: the wait ends at once
+    sender.shutdown(wait=False)  # a shut-down server answers no one more: the wait ends at once
     waiter.join(timeout=10.0)
     assert not waiter.is_alive()
 

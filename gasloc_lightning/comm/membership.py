@@ -559,19 +559,19 @@ class ElasticMembership:
         self._healed = True
 
     def wait_for_healers(self, quorum: Quorum) -> bool:
-        """Wait until every member that heals from this worker in ``quorum`` has fetched its state (at most
-        ``transfer_timeout``); whether they all did. Inside a round the collective that follows keeps the source
-        alive for its healers; where none follows (the end-of-fit decision), a source that left at once would cut
-        them off."""
+        """Wait until every member that heals from this worker in ``quorum`` has fetched its state, or was refused it
+        for want of the run's secret (at most ``transfer_timeout``); whether they all were answered. Inside a round
+        the collective that follows keeps the source alive for its healers; where none follows (the end-of-fit
+        decision), a source that left at once would cut them off."""
         if quorum.heals == 0:
             return True
         transport = self._transport
-        served = transport is not None and transport.wait_served(quorum.max_step, quorum.heals,
-                                                                  timeout=self.transfer_timeout)
-        if not served:
+        answered = transport is not None and transport.wait_answered(quorum.max_step, quorum.heals,
+                                                                     timeout=self.transfer_timeout)
+        if not answered:
             log.warning("healers did not fetch this worker's state worker=%s heals=%d step=%d within "
                         "transfer_timeout=%gs", self.name, quorum.heals, quorum.max_step, self.transfer_timeout)
-        return served
+        return answered
 
     def commit(self, round_index: int, error: Exception | None = None) -> None:
         """End a round: report a failed exchange (after the round's collectives), and record ``round_index``

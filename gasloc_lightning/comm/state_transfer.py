@@ -74,7 +74,7 @@ _READ_CHUNK = 1 << 20
 _MAX_CONNECTIONS = 8  # connections served at once; more are closed at once
 _POLL_INTERVAL = 0.05  # seconds: how fast the serving loop notices a shutdown
 _SEEN_NONCES = 4096  # signed requests remembered (only a member can add one: 4096 heals before one is forgotten)
-_SERVED_STEPS_KEPT = 8  # steps whose full transfers are counted (for wait_served)
+_ANSWERED_STEPS_KEPT = 8  # steps whose answered requests are counted (wait_answered)
 _STAGE_WAIT = 1.0  # seconds a signed request waits for its step to be staged before it gets 503
 _RETRY_FIRST, _RETRY_MAX = 0.02, 0.2  # seconds between a client's asks for a step not staged yet (doubling)
 _LOG_LINES, _LOG_WINDOW = 5, 60.0  # at most this many lines per kind of peer-triggered event per window (s)
@@ -129,7 +129,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
         self._closed = False
         self._seen: OrderedDict[str, None] = OrderedDict()  # nonces of signed requests, oldest first
         self.served = self.refused = self.aborted = self.not_staged = 0
-        self._served_by_step: OrderedDict[int, int] = OrderedDict()  # full transfers per step, the last few steps
+        self._answered_by_step: OrderedDict[int, int] = OrderedDict()  # requests answered for good, per step
         self._log = _RateLimitedLog(lines=_LOG_LINES, window=_LOG_WINDOW)
         self._server = _Server(bind, self)
         self._thread = threading.Thread(target=self._server.serve_forever, args=(_POLL_INTERVAL,),
@@ -194,13 +194,23 @@ class AuthenticatedStateTransport(CheckpointTransport):
             self._retired_step = max(self._retired_step, staged.step)
             log.info("state unstaged step=%d bytes=%d", staged.step, len(staged.payload))
 
-    def wait_served(self, step: int, count: int, timeout: float) -> bool:
-        """Wait until the state of ``step`` has been served in full ``count`` times (each healer's fetch), at most
-        ``timeout`` seconds or until :meth:`shutdown`; whether it was. A source that leaves right after staging would
-        cut its healers off: where no collective follows the heal (the end-of-fit decision), it waits here."""
+    def wait_answered(self, step: int, count: int, timeout: float) -> bool:
+        """Wait until ``count`` requests for the state of ``step`` were answered for good, at most ``timeout`` seconds
+        or until :meth:`shutdown`; whether they were. Answered for good: served in full (a healer has it), or refused
+        as not signed with the run's secret (a requester that can never have it: an intruder in the quorum). A
+        source that left right after staging would cut its healers off: where no collective follows the heal (the
+        end-of-fit decision), it waits here. Anyone who can reach the port can end this wait early with unsigned
+        requests; the healer it cuts off then reports that it has no final model, as when the source dies."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._served_by_step.get(step, 0) >= count or self._closed,
-                                       timeout=timeout) and self._served_by_step.get(step, 0) >= count
+            return self._lock.wait_for(lambda: self._answered_by_step.get(step, 0) >= count or self._closed,
+                                       timeout=timeout) and self._answered_by_step.get(step, 0) >= count
+
+    def _answered(self, step: int) -> None:
+        """Counts a request for ``step`` answered for good (the caller holds the lock)."""
+        self._answered_by_step[step] = self._answered_by_step.pop(step, 0) + 1
+        while len(self._answered_by_step) > _ANSWERED_STEPS_KEPT:
+            self._answered_by_step.popitem(last=False)
+        self._lock.notify_all()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | float) -> Any:
         """Fetch, authenticate and safely load a peer's state for ``step``, within ``timeout`` in all.
@@ -234,7 +244,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
             if self._closed:
                 return
             self._closed = True
-            self._lock.notify_all()  # wakes wait_served
+            self._lock.notify_all()  # wakes wait_answered
         self._staged = None
         self._server.shutdown()  # returns once the serving loop has stopped (within _POLL_INTERVAL)
         self._server.server_close()
@@ -350,6 +360,8 @@ class AuthenticatedStateTransport(CheckpointTransport):
         if not _NONCE.fullmatch(nonce) or not wire.verify(
                 self._secret, handler.headers.get(MAC_HEADER), b"request",
                 _target(self._advertise, self.port, self.instance).encode(), _step_bytes(step), nonce.encode()):
+            with self._lock:
+                self._answered(step)  # it can never have this step's state: wait_answered need not wait for it
             return step, nonce, (403, "request not signed with this run's secret for this server")
         if not self._first_use(nonce):
             return step, nonce, (403, "nonce seen before (a replayed request)")
@@ -398,10 +410,7 @@ class AuthenticatedStateTransport(CheckpointTransport):
         handler.wfile.write(staged.payload)
         with self._lock:
             self.served += 1
-            self._served_by_step[staged.step] = self._served_by_step.pop(staged.step, 0) + 1
-            while len(self._served_by_step) > _SERVED_STEPS_KEPT:
-                self._served_by_step.popitem(last=False)
-            self._lock.notify_all()
+            self._answered(staged.step)
         log.info("state served peer=%s step=%d bytes=%d", handler.client_address[0], staged.step,
                  len(staged.payload))
 
