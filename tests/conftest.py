@@ -15,6 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# One OpenMP thread here and, through the environment, in every process the suite starts (exec'd ranks, elastic
+# workers, console scripts): the suite runs its xdist workers side by side on 2 cores, and an OpenMP pool of 2 beside
+# another busy process spins instead of computing. Measured on test_sim_equivalence alone, -n 2: 240 s wall and
+# 469 CPU-s with torch's default threads, 97 s and 180 CPU-s with one. A test that needs more threads sets them.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+
 # OMP_NUM_THREADS too: Lightning's launchers set it in the launching process, and a later test's forked
 # workers would then keep the parent's thread count.
 # The fused round is chosen by size unless forced: a value in the user's environment must not change the suite.
