@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gasloc_lightning.app.forked_workers import fork_server_kept
+
 # One OpenMP thread here and, through the environment, in every process the suite starts (exec'd ranks, elastic
 # workers, console scripts): the suite runs its xdist workers side by side on 2 cores, and an OpenMP pool of 2 beside
 # another busy process spins instead of computing. Measured on test_sim_equivalence alone, -n 2: 240 s wall and
@@ -50,6 +52,14 @@ def _restore_distributed_state():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_fork_server_per_session():
+    """The elastic runs of one xdist worker fork their workers from one server (each server costs about 7.5 CPU-s
+    to start: about 30 runs in the suite), stopped when the session ends."""
+    with fork_server_kept():
+        yield
 
 
 @pytest.fixture

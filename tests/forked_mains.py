@@ -22,6 +22,11 @@ def report_and_exit(arguments: list[str]) -> None:
     sys.exit(int(arguments[0]))
 
 
+def report_parent_and_exit(arguments: list[str]) -> None:
+    """Print the parent's pid (the fork server), then exit 0."""
+    print(os.getppid(), flush=True)
+
+
 def _exit_3() -> None:
     sys.exit(3)
 

@@ -71,6 +71,16 @@ def test_a_forked_worker_times_out_then_stops_on_sigkill(tmp_path):
     assert worker.wait(timeout=60) == -signal.SIGKILL
 
 
+def test_inside_fork_server_kept_the_runs_share_one_server_stopped_at_its_end(tmp_path):
+    """As a test session's elastic runs do: the launcher's stop at each run's end keeps the server, the block's end
+    stops it (in a process of its own: this session's server is kept for the whole session)."""
+    result = subprocess.run([sys.executable, str(SCRIPTS / "kept_fork_server.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["servers"][0] == seen["servers"][1] != os.getpid() and not seen["alive_after"], seen
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_forked_worker_even_stopped_exits_with_its_fork_server_when_its_launcher_is_killed(tmp_path):

@@ -21,7 +21,8 @@ group reaches the launcher, which makes the workers leave cleanly. It exits when
 holds the only writing end of its "alive" pipe: each fork closes the copy it is handed), and every fork gets
 SIGKILL when the server exits (a parent-death signal armed before anything else runs), even a stopped one. A
 watchdog on the launcher's own pid is a second guard. The launcher stops the server at the end of each run, so a
-long-lived process (a notebook, a test session) never forks workers from stale code.
+long-lived process (a notebook) never forks workers from stale code; a test session shares one server across its
+runs instead (:func:`fork_server_kept`).
 
 What travels from the launcher to the server is the worker's command line, environment and log path, over the
 standard library's socket in a directory only this user can read (Python 3.11's fork server authenticates no
@@ -37,7 +38,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 WORKER_MODULE = "gasloc_lightning.app.elastic_worker"
@@ -46,6 +48,7 @@ WORKER_STARTS = ("forkserver", "exec")  # exec: a fresh interpreter per worker (
 _CONTEXT = multiprocessing.get_context("forkserver")
 _PRELOAD = ["gasloc_lightning.app.fork_server_session", WORKER_MODULE]  # its own session first, then the imports
 _server_started = False  # whether this process has used the server (stop_fork_server stops only that one)
+_server_kept = False  # inside fork_server_kept(): stop_fork_server() leaves the server running
 _STOP_WAIT_S = 30.0  # the server exits at once on its pipe's end, unless still importing (about 7.5 CPU-s)
 
 
@@ -112,14 +115,29 @@ def start_forked(main: Callable[[list[str]], object], arguments: list[str], log_
     return ForkedWorker(process)
 
 
+@contextmanager
+def fork_server_kept() -> Iterator[None]:
+    """Within it the runs of this process share one fork server: :func:`stop_fork_server` leaves it running, and it
+    is stopped on exit. For a process that launches many runs of code that does not change meanwhile, such as a
+    test session: each server costs about 7.5 CPU-s to start, and every run's workers fork from the code imported
+    when it started."""
+    global _server_kept
+    outer, _server_kept = _server_kept, True
+    try:
+        yield
+    finally:
+        _server_kept = outer
+        stop_fork_server()
+
+
 def stop_fork_server() -> None:
     """Stop the fork server and reap it: its forks (there should be none left) get SIGKILL as it exits. A later
     forked worker starts a new one. Python has no public call for this; where its private state is missing, the
-    server is left to exit with this process."""
+    server is left to exit with this process. Inside :func:`fork_server_kept`, nothing."""
     import multiprocessing.forkserver as forkserver
 
     global _server_started
-    if not _server_started:
+    if not _server_started or _server_kept:
         return
     _server_started = False
     server = getattr(forkserver, "_forkserver", None)
