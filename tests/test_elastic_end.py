@@ -365,3 +365,20 @@ def test_a_worker_that_finds_the_run_ended_exits_0_and_the_launcher_reports_it_s
     record = WorkerRecord(worker=2, output_dir=tmp_path / "worker_2", config_path=config, process=object(),
                           exit_code=0, final=progress)
     assert worker_status(record, val_loss=None) == "stopped"
+
+
+def test_a_worker_that_died_before_recording_an_error_is_named_with_its_exit_code_and_where_to_look(tmp_path):
+    from types import SimpleNamespace
+
+    from gasloc_lightning.app.elastic import WorkerRecord, raise_if_failed
+
+    records = {0: WorkerRecord(worker=0, output_dir=tmp_path / "worker_0", config_path=tmp_path / "c.yaml",
+                               process=object(), exit_code=1, final={}),
+               1: WorkerRecord(worker=1, output_dir=tmp_path / "worker_1", config_path=tmp_path / "c.yaml",
+                               process=object(), exit_code=1, final={"error": "ValueError: bad batch"})}
+    summary = {"workers": [{"worker": 0, "status": "failed"}, {"worker": 1, "status": "failed"}]}
+    with pytest.raises(RuntimeError) as raised:
+        raise_if_failed(SimpleNamespace(workers=records, run_dir=tmp_path), summary)
+    message = str(raised.value)
+    assert "worker 0: exit code 1 before it recorded an error" in message and "__main__" in message
+    assert "worker 1: ValueError: bad batch" in message and "None" not in message

@@ -1031,8 +1031,18 @@ def raise_if_failed(run: ElasticRun, summary: dict[str, Any], prefix: str = "gas
     or was stopped by the launcher does not); ``prefix`` starts the message."""
     failed = [row["worker"] for row in summary["workers"] if row["status"] in ("failed", "refused")]
     if failed:
-        errors = "; ".join(f"worker {worker}: {run.workers[worker].final.get('error')}" for worker in failed)
+        errors = "; ".join(f"worker {worker}: {_recorded_error(run.workers[worker])}" for worker in failed)
         raise RuntimeError(f"{prefix}worker(s) {failed} failed ({errors}); see their worker.log under {run.run_dir}")
+
+
+def _recorded_error(record: WorkerRecord) -> str:
+    """The error a worker recorded in its progress file, or what is known when it died before recording one."""
+    error = (record.final or {}).get("error")
+    if error:
+        return str(error)
+    return (f"exit code {record.exit_code} before it recorded an error (its worker.log, or the launcher's own output "
+            "if it has none: a script that calls run_elastic needs an `if __name__ == '__main__':` guard, as with "
+            "any multiprocessing start other than fork)")
 
 
 def _print_resume(summary: dict[str, Any], run_dir: Path) -> None:
