@@ -252,13 +252,19 @@ def test_the_source_of_a_heal_with_no_collective_after_it_waits_until_its_healer
 
         source._transport.wait_answered, healer._transport.recv_checkpoint = wait_answered, recv_checkpoint
 
+        served_when_done: list[int] = []
+
         def decide(member: ElasticMembership) -> tuple[Quorum, bool]:
             quorum = member.start_quorum()
-            return quorum, member.wait_for_healers(quorum)
+            done = member.wait_for_healers(quorum)
+            if member is source:  # it leaves at once, as a finished worker does: the healer must have it by now
+                served_when_done.append(member.heal_server_counters["served"])
+                member.shutdown()
+            return quorum, done
 
         (source_quorum, served), (healer_quorum, _) = _in_threads(decide, [source, healer])
         assert source_quorum.heals == 1 and healer_quorum.heals == 0 and healer_quorum.healed
-        assert served and source.heal_server_counters["served"] == 1
+        assert served and served_when_done == [1]
         torch.testing.assert_close(healer_state["x"], source_state["x"])
     finally:
         for member in (source, healer):
@@ -375,10 +381,13 @@ def test_a_worker_that_died_before_recording_an_error_is_named_with_its_exit_cod
     records = {0: WorkerRecord(worker=0, output_dir=tmp_path / "worker_0", config_path=tmp_path / "c.yaml",
                                process=object(), exit_code=1, final={}),
                1: WorkerRecord(worker=1, output_dir=tmp_path / "worker_1", config_path=tmp_path / "c.yaml",
-                               process=object(), exit_code=1, final={"error": "ValueError: bad batch"})}
-    summary = {"workers": [{"worker": 0, "status": "failed"}, {"worker": 1, "status": "failed"}]}
+                               process=object(), exit_code=1, final={"error": "ValueError: bad batch"}),
+               2: WorkerRecord(worker=2, output_dir=tmp_path / "worker_2", config_path=tmp_path / "c.yaml",
+                               process=object(), exit_code=-9, final={})}
+    summary = {"workers": [{"worker": w, "status": "failed"} for w in (0, 1, 2)]}
     with pytest.raises(RuntimeError) as raised:
         raise_if_failed(SimpleNamespace(workers=records, run_dir=tmp_path), summary)
     message = str(raised.value)
     assert "worker 0: exit code 1 before it recorded an error" in message and "__main__" in message
     assert "worker 1: ValueError: bad batch" in message and "None" not in message
+    assert "worker 2: killed by SIGKILL before it recorded an error" in message

@@ -23,7 +23,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 @pytest.fixture(autouse=True)
 def _stop_the_server():
-    """The tests that fork here stop the server they started, as the launcher does at the end of a run."""
+    """As the launcher does at the end of a run (a no-op inside the session's fork_server_kept(): conftest)."""
     yield
     stop_fork_server()
 

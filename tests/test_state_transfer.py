@@ -243,6 +243,9 @@ def test_wait_answered_returns_once_each_request_for_the_step_was_served_or_refu
     with pytest.raises(StateTransferError, match="403"):  # without the secret: refused, it can never have it
         intruder.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=7, timeout=5.0)
     assert sender.wait_answered(7, 2, timeout=5.0) and (sender.served, sender.refused) == (1, 1)
+    with pytest.raises(StateTransferError, match="403"):  # another step: counted for that step only
+        intruder.recv_checkpoint(src_rank=0, metadata=sender.metadata(), step=9, timeout=5.0)
+    assert not sender.wait_answered(7, 3, timeout=0.05) and sender.wait_answered(9, 1, timeout=5.0)
     waiter = threading.Thread(target=lambda: sender.wait_answered(7, 3, timeout=30.0))
     waiter.start()
     sender.shutdown(wait=False)  # a shut-down server answers no one more: the wait ends at once

@@ -1040,9 +1040,12 @@ def _recorded_error(record: WorkerRecord) -> str:
     error = (record.final or {}).get("error")
     if error:
         return str(error)
-    return (f"exit code {record.exit_code} before it recorded an error (its worker.log, or the launcher's own output "
-            "if it has none: a script that calls run_elastic needs an `if __name__ == '__main__':` guard, as with "
-            "any multiprocessing start other than fork)")
+    code = record.exit_code
+    if isinstance(code, int) and code < 0:
+        return f"killed by {signal.Signals(-code).name} before it recorded an error (see its worker.log)"
+    return (f"exit code {code} before it recorded an error (see its worker.log; if it has none, the launcher's own "
+            "output: a script that calls run_elastic needs an `if __name__ == '__main__':` guard, as with any "
+            "multiprocessing start other than fork)")
 
 
 def _print_resume(summary: dict[str, Any], run_dir: Path) -> None:

@@ -562,11 +562,12 @@ class ElasticMembership:
         """Wait until every member that heals from this worker in ``quorum`` has fetched its state, or was refused it
         for want of the run's secret (at most ``transfer_timeout``); whether they all were answered. Inside a round
         the collective that follows keeps the source alive for its healers; where none follows (the end-of-fit
-        decision), a source that left at once would cut them off."""
-        if quorum.heals == 0:
-            return True
+        decision), a source that left at once would cut them off. No wait when torchft staged nothing for this
+        quorum (it failed before staging)."""
         transport = self._transport
-        answered = transport is not None and transport.wait_answered(quorum.max_step, quorum.heals,
+        if quorum.heals == 0 or not quorum.usable or transport is None or transport.staged_step != quorum.max_step:
+            return quorum.heals == 0  # nothing to hand over: torchft failed before staging (pg configure, ...)
+        answered = transport.wait_answered(quorum.max_step, quorum.heals,
                                                                      timeout=self.transfer_timeout)
         if not answered:
             log.warning("healers did not fetch this worker's state worker=%s heals=%d step=%d within "

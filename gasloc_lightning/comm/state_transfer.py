@@ -74,7 +74,7 @@ _READ_CHUNK = 1 << 20
 _MAX_CONNECTIONS = 8  # connections served at once; more are closed at once
 _POLL_INTERVAL = 0.05  # seconds: how fast the serving loop notices a shutdown
 _SEEN_NONCES = 4096  # signed requests remembered (only a member can add one: 4096 heals before one is forgotten)
-_ANSWERED_STEPS_KEPT = 8  # steps whose answered requests are counted (wait_answered)
+_ANSWERED_STEPS_KEPT = 64  # steps whose answered requests are counted (wait_answered), the latest first kept
 _STAGE_WAIT = 1.0  # seconds a signed request waits for its step to be staged before it gets 503
 _RETRY_FIRST, _RETRY_MAX = 0.02, 0.2  # seconds between a client's asks for a step not staged yet (doubling)
 _LOG_LINES, _LOG_WINDOW = 5, 60.0  # at most this many lines per kind of peer-triggered event per window (s)
@@ -200,13 +200,17 @@ class AuthenticatedStateTransport(CheckpointTransport):
         as not signed with the run's secret (a requester that can never have it: an intruder in the quorum). A
         source that left right after staging would cut its healers off: where no collective follows the heal (the
         end-of-fit decision), it waits here. Anyone who can reach the port can end this wait early with unsigned
-        requests; the healer it cuts off then reports that it has no final model, as when the source dies."""
+        requests; the healer it cuts off then reports that it has no final model, as when the source dies. Unsigned
+        requests for 64 other steps make it forget the step's count, and so wait out ``timeout``."""
+        def answered() -> bool:
+            return self._answered_by_step.get(step, 0) >= count
+
         with self._lock:
-            return self._lock.wait_for(lambda: self._answered_by_step.get(step, 0) >= count or self._closed,
-                                       timeout=timeout) and self._answered_by_step.get(step, 0) >= count
+            return self._lock.wait_for(lambda: answered() or self._closed, timeout=timeout) and answered()
 
     def _answered(self, step: int) -> None:
-        """Counts a request for ``step`` answered for good (the caller holds the lock)."""
+        """Counts a request for ``step`` answered for good (the caller holds the lock). An unsigned request may come
+        before its step is staged (a peer asks as soon as the quorum answers): it counts all the same."""
         self._answered_by_step[step] = self._answered_by_step.pop(step, 0) + 1
         while len(self._answered_by_step) > _ANSWERED_STEPS_KEPT:
             self._answered_by_step.popitem(last=False)
