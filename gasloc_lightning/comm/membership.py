@@ -567,8 +567,7 @@ class ElasticMembership:
         transport = self._transport
         if quorum.heals == 0 or not quorum.usable or transport is None or transport.staged_step != quorum.max_step:
             return quorum.heals == 0  # nothing to hand over: torchft failed before staging (pg configure, ...)
-        answered = transport.wait_answered(quorum.max_step, quorum.heals,
-                                                                     timeout=self.transfer_timeout)
+        answered = transport.wait_answered(quorum.max_step, quorum.heals, timeout=self.transfer_timeout)
         if not answered:
             log.warning("healers did not fetch this worker's state worker=%s heals=%d step=%d within "
                         "transfer_timeout=%gs", self.name, quorum.heals, quorum.max_step, self.transfer_timeout)
