@@ -29,6 +29,7 @@ from gasloc_lightning.app.elastic import (  # noqa: E402
     ChaosEvent,
     ElasticRun,
     check_elastic,
+    end_grace_s,
     lighthouse_command,
     parse_chaos,
     run_elastic,
@@ -134,6 +135,17 @@ def _compose(overrides: list[str]):
 def test_the_launcher_refuses_settings_that_cannot_work_naming_the_keys(overrides, message):
     with pytest.raises(ValueError, match=message):
         check_elastic(_compose(overrides))
+
+
+def test_a_worker_that_trained_to_the_last_step_is_given_transfer_timeout_beyond_the_end_grace():
+    """It may be handing the final model to a member that heals from it (up to transfer_timeout): stopping it at
+    end_grace_s killed the holder of the final model. Every other worker keeps end_grace_s."""
+    cfg = _compose(["elastic.end_grace_s=7", "elastic.transfer_timeout=11", "trainer.max_steps=40"])
+    grace = lambda progress: end_grace_s(progress, cfg.elastic, max_steps=40)  # noqa: E731
+    assert grace({"state": "running", "step": 40}) == 18
+    assert grace({"state": "running", "step": 39}) == 7  # still training: a latecomer
+    assert grace({"state": "starting", "step": 0}) == grace({}) == 7
+    assert grace({"state": "done", "step": 40}) == 7  # it has finished: nothing to hand over from a live worker
 
 
 def test_a_wildcard_bind_is_taken_when_written_with_an_address_to_advertise():

@@ -327,6 +327,18 @@ class ElasticInterrupted(RuntimeError):
         self.signum = signum
 
 
+def end_grace_s(progress: dict[str, Any], elastic: Any, *, max_steps: int) -> float:
+    """How long after the first worker finished the run a worker with this progress may still run.
+
+    One that trained to the last step holds a final model: it is in the end-of-fit average, or it is handing
+    that average to a member that heals from it, which it waits for up to ``elastic.transfer_timeout`` (no
+    collective follows that heal). Stopping it at ``end_grace_s`` would kill the holder of the final model, so
+    it gets ``transfer_timeout`` more; its own deadlines end that wait. Any other worker gets ``end_grace_s``.
+    """
+    trained_to_the_end = progress.get("state") == "running" and int(progress.get("step") or 0) >= max_steps
+    return elastic.end_grace_s + (elastic.transfer_timeout if trained_to_the_end else 0.0)
+
+
 class ElasticRun:
     """Starts the lighthouse and the workers, runs the chaos schedule, and stops all of it by pid.
 
@@ -694,13 +706,15 @@ class ElasticRun:
             return
         if self._first_finish is None:
             self._first_finish = time.monotonic()
-        overdue = time.monotonic() - self._first_finish > self.elastic.end_grace_s
+        since_end_s = time.monotonic() - self._first_finish
         for record in self.workers:
             if not record.running:
                 continue
-            late = record.progress().get("state") in (None, "starting")
-            if late or overdue:
-                why = "arrived after the run ended" if late else f"still running {self.elastic.end_grace_s:g}s after the end"
+            progress = record.progress()
+            late = progress.get("state") in (None, "starting")
+            grace_s = end_grace_s(progress, self.elastic, max_steps=int(self.cfg.trainer.max_steps))
+            if late or since_end_s > grace_s:
+                why = "arrived after the run ended" if late else f"still running {grace_s:g}s after the end"
                 print(f"worker {record.worker} {why}: stopped", flush=True)
                 self._end(record, "stopped")
 
