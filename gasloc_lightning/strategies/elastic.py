@@ -950,14 +950,21 @@ class ElasticMetricsCallback(Callback):
     ``comm/failed_exchanges``, ``comm/failed_collectives``, ``comm/refused_members``,
     ``comm/unauthentic_messages``, ``comm/tampered_agreements`` and the heal server's counters (``heal/served_requests``,
     ``heal/refused_requests``, ``heal/aborted_requests``, ``heal/not_staged_requests``,
-    ``heal/log_lines_suppressed``) every step."""
+    ``heal/log_lines_suppressed``) at the steps Lightning writes its own rows (``log_every_n_steps``).
+
+    They go straight to the loggers, as ``LearningRateMonitor`` writes its rates: they are counters of the
+    strategy, not of the module, and ``LightningModule.log`` costs a metric-state move per key and step (with
+    13 keys, a quarter of a tiny model's worker CPU). So they are not in ``trainer.callback_metrics``."""
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         strategy = trainer.strategy
-        if not isinstance(strategy, ElasticGASLoCStrategy):
+        if not isinstance(strategy, ElasticGASLoCStrategy) or not trainer.is_global_zero or not trainer.loggers:
             return
-        pl_module.log_dict({
+        # Checked here as Lightning checks it for its own row, right after this hook (same step, same answer).
+        if not trainer._logger_connector.should_update_logs:
+            return
+        metrics = {
             "elastic/quorum_size": float(strategy.quorum_size),
             "elastic/membership_changes": float(strategy.membership_changes),
             "elastic/lineage_merges": float(strategy.lineage_merges),
@@ -967,7 +974,9 @@ class ElasticMetricsCallback(Callback):
             "comm/unauthentic_messages": float(strategy.unauthentic_messages),
             "comm/tampered_agreements": float(strategy.tampered_agreements),
             **{_HEAL_METRICS[name]: float(count) for name, count in strategy.membership.heal_server_counters.items()},
-        }, on_step=True, on_epoch=False, rank_zero_only=True)
+        }
+        for logger in trainer.loggers:  # at the step number Lightning gives this step's row
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
 def _max_state_bytes(numel: int) -> int:
