@@ -68,6 +68,10 @@ CASES = {
     # subgroups and the shard-parallel crossing against the simulator's rows.
     "two_level": Case(("strategy=two_level", "topology=two_level", "topology.regions=[0,0,1,1]",
                        "topology.cross_every=2")),
+    # The delayed crossing at every round: posted at rounds 0-2, landed at the next crossing and at the end of
+    # training (folded in), on a process group of its own.
+    "two_level_delayed": Case(("strategy=two_level", "topology=two_level", "topology.regions=[0,0,1,1]",
+                               "topology.cross_every=1", "topology.cross_overlap=true")),
     "local": Case(("strategy=local",), workers=2),
     "uneven_h": Case(("strategy=gasloc", "topology=one_peer", "inner_steps=[2,1]"), workers=2),  # H_i: cohorts
     # Odd n: one worker sits out each round's matching and keeps its point (and its clock).

@@ -74,6 +74,32 @@ def test_the_cross_step_waits_on_the_slow_link_and_the_region_step_does_not():
     assert crossing == pytest.approx(region_round + 3.2 + region_round / 2, rel=0.05)
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["waited", "delayed"])
+def test_the_delayed_crossing_travels_under_the_region_rounds_compute(delayed):
+    """3.2 s over the slow link per crossing, K = 2 rounds of 2 s of compute between crossings: the delayed crossing
+    posted at round 1 lands at round 3 with nothing left to wait for (only the region's all-gather of the mixed
+    shards); the waited one adds the whole transfer at each crossing. The last one lands at the end of training."""
+    parameters = 10**8  # 400 MB float32: 3.2 s over 1 Gbit/s
+    network = NetworkModel.clusters(sizes=[4, 4], intra_gbps=100.0, inter_gbps=1.0, inter_latency_s=0.0,
+                                    intra_latency_s=0.0, model_parameters=parameters, step_time_s=1.0)
+    topology = TwoLevelTopology.from_network(sizes=[4, 4], cross_every=2, cross_overlap=delayed)
+    clocks = WorkerClocks(network, 8)
+    engine = TwoLevelRounds(initial=torch.zeros(8, 3), topology=topology,
+                            rule=topology.rule(region_lr=0.7, region_momentum=0.9), clocks=clocks)
+    flat = torch.randn(8, 3)
+    region_round = 2 * 0.75 * 400e6 * 8 / 100e9  # a ring all-reduce of the model inside a region of 4
+    for t in range(4):
+        for _ in range(2):
+            clocks.advance_compute(range(8))
+        engine.communicate(flat, t, list(range(8)))
+    waited = 8 + 4 * region_round + 2 * (3.2 + region_round / 2)
+    delayed_time = 8 + 4 * region_round + region_round / 2  # the landing at round 3 waits for nothing but its gather
+    assert clocks.times() == pytest.approx([delayed_time if delayed else waited] * 8, rel=1e-3)
+    end = clocks.times()[0]
+    engine.flush(flat)
+    assert clocks.times()[0] - end == pytest.approx(3.2 + region_round / 2 if delayed else 0.0, rel=1e-3)
+
+
 # ------------------------------------------------------------------ the app
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
@@ -107,7 +133,7 @@ def test_app_refuses_an_unstable_rule_and_what_two_level_does_not_take(corpus, t
     with pytest.raises(ValueError, match="cross_momentum below"):
         sim_app.build(_compose(corpus, tmp_path, ["topology=two_level", "topology.cross_every=1",
                                                   "topology.cross_momentum=0.9"]))
-    with pytest.raises(ValueError, match="strategy.overlap"):
+    with pytest.raises(ValueError, match="strategy.overlap.*topology.cross_overlap=true"):
         sim_app.build(_compose(corpus, tmp_path, ["topology=two_level", "overlap=true"]))
     with pytest.raises(InstantiationException, match="needs regions"):
         sim_app.build(_compose(corpus, tmp_path, ["topology=two_level", "network=uniform_fast", "sim.workers=8"]))

@@ -29,10 +29,12 @@ def cross_matrix(regions: Regions, rule: TwoLevelRule, region_topology, t: int) 
 
 def oracle(quadratics: Quadratics, regions: Regions, rule: TwoLevelRule, region_topology, rounds: int,
            start: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The two-level rule written out on stacked float64 ranks (module docstring of algorithm/two_level.py)."""
+    """The two-level rule written out on stacked float64 ranks (module docstring of algorithm/two_level.py); with
+    ``rule.cross_overlap`` the delayed crossing (p = u + beta C, posted, its mix landing at the next crossing)."""
     n, d = quadratics.centres.shape
     theta = (torch.zeros(d, dtype=F64) if start is None else start).expand(n, d).clone()
     b, phi, x = torch.zeros_like(theta), theta.clone(), theta.clone()
+    correction, posted, W_posted = torch.zeros_like(theta), None, None
     B, trajectory = regions.average_matrix(), []
     for t in range(rounds):
         mean_delta = B @ (theta - quadratics.local(theta))  # the exact region average
@@ -44,7 +46,13 @@ def oracle(quadratics: Quadratics, regions: Regions, rule: TwoLevelRule, region_
         if regions.num_regions > 1 and rule.is_cross_round(t):
             z = phi + rule.cross_lr * (theta - phi)
             u = z + rule.cross_momentum * (z - x)
-            phi = cross_matrix(regions, rule, region_topology, t) @ u
+            if rule.cross_overlap:
+                if posted is not None:  # the last crossing's exchange lands now
+                    correction = rule.cross_delayed_weight * (W_posted @ posted - posted)
+                phi = u + correction
+                posted, W_posted = phi.clone(), cross_matrix(regions, rule, region_topology, t)
+            else:
+                phi = cross_matrix(regions, rule, region_topology, t) @ u
             x = z + (phi - u) / (1 + rule.cross_momentum)
             theta = phi.clone()
         trajectory.append(theta.clone())
@@ -67,8 +75,15 @@ def engine(quadratics: Quadratics, regions: Regions, rule: TwoLevelRule, region_
             mean[rows] = delta[rows].sum(dim=0).div_(len(rows))
         round_.region_step(mean)
         if round_.crosses(t):
+            if round_.in_flight:  # the delayed crossing: the mix posted at the last crossing lands first
+                round_.cross_destination.copy_(in_flight)
+                round_.cross_land()
             u = round_.cross_message()
-            round_.cross_destination.copy_(cross_matrix(regions, rule, region_topology, t).to(dtype) @ u)
+            mixed = cross_matrix(regions, rule, region_topology, t).to(dtype) @ u
+            if rule.cross_overlap:
+                in_flight = mixed
+            else:
+                round_.cross_destination.copy_(mixed)
             round_.cross_finish()
         trajectory.append(round_.region_start.detach().clone())
     return trajectory
@@ -181,6 +196,132 @@ def test_the_cross_step_keeps_the_mean_over_ranks():
     phi = round_.cross_finish()
     assert torch.allclose(phi.mean(dim=0), u.mean(dim=0), atol=1e-6)
     assert not torch.allclose(phi, u)
+
+
+# ------------------------------------------------------------------ the delayed crossing
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_one_worker_per_region_with_the_delayed_crossing_is_gasloc_with_overlap(beta):
+    """eta_r = 1, gamma_r = 0, K = 1, one worker per region: the delayed crossing is GASLoC's overlap (p = u + beta
+    C(t - 1), posted; docs/algorithm.md section 5), as the simulator's one-level GossipRounds runs it."""
+    from gasloc_lightning.sim import GossipRounds, TwoLevelRounds, WorkerClocks
+
+    n, eta, gamma = 4, 0.7, 0.5
+    quadratics = Quadratics(n, seed=13)
+    hessians, centres = quadratics.hessians.float(), quadratics.centres.float()
+    region_topology = OnePeerTopology(seed=5)
+    two_level = TwoLevelTopology(list(range(n)), cross_every=1, region_topology=region_topology, cross_lr=eta,
+                                 cross_momentum=gamma, cross_overlap=True, cross_delayed_weight=beta)
+    rule = two_level.rule(region_lr=1.0, region_momentum=0.0)
+    crossing = TwoLevelRounds(initial=torch.zeros(n, 6), topology=two_level, rule=rule, clocks=WorkerClocks(None, n))
+    gossip = GossipRounds(initial=torch.zeros(n, 6), topology=OnePeerTopology(seed=5), outer_lr=eta,
+                          outer_momentum=gamma, overlap=True, delayed_weight=beta, clocks=WorkerClocks(None, n))
+
+    def local(theta):
+        for _ in range(5):
+            theta = theta - 0.1 * torch.einsum("nij,nj->ni", hessians, theta - centres)
+        return theta
+
+    a, b = torch.zeros(n, 6), torch.zeros(n, 6)
+    for t in range(12):
+        a, b = local(a), local(b)
+        crossing.communicate(a, t, list(range(n)))
+        gossip.communicate(b, t, list(range(n)))
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert float((a - a.mean(dim=0)).abs().max()) > 1e-3  # not a trivial consensus
+    crossing.flush(a)
+    gossip.flush(b)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # the last correction folded in
+
+
+@pytest.mark.parametrize("cross_mean", [False, True], ids=["gossip", "mean"])
+@pytest.mark.parametrize("layout", [[0, 0, 1, 1], [0, 0, 0, 1]], ids=str)
+def test_the_delayed_crossing_follows_its_float64_oracle_and_keeps_the_mean_of_the_waited_one(layout, cross_mean):
+    """DiLoCo's (0.7, 0.9) inside, crossing every 2 rounds with beta 0.5: the float32 module follows the float64
+    oracle of the delayed rule, which is not the waited one's trajectory."""
+    regions, quadratics = Regions(layout), Quadratics(4, seed=9)
+    rule = TwoLevelRule(cross_every=2, cross_momentum=0.0, cross_mean=cross_mean, cross_overlap=True,
+                        cross_delayed_weight=0.5)
+    topology = CompleteTopology() if cross_mean else OnePeerTopology(seed=2)
+    expected = oracle(quadratics, regions, rule, topology, 24)
+    got = engine(quadratics, regions, rule, topology, 24)
+    for theta, reference in zip(got, expected):
+        assert torch.allclose(theta.double(), reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
+    waited = oracle(quadratics, regions, TwoLevelRule(cross_every=2, cross_momentum=0.0, cross_mean=cross_mean),
+                    topology, 24)
+    assert float((expected[-1] - waited[-1]).abs().max()) > 1e-3  # the delay changes the trajectory
+
+
+def test_the_delayed_crossing_adds_an_antisymmetric_correction_so_the_ranks_mean_is_unchanged():
+    """At a crossing p = u + beta C with C = W p_prev - p_prev over ranks: sum C = 0 for a doubly stochastic W."""
+    regions = Regions([0, 0, 0, 1, 1, 2, 2, 2])
+    rule = TwoLevelRule(cross_every=1, cross_overlap=True, cross_delayed_weight=0.5)
+    round_ = TwoLevelRound(torch.zeros(8, 5), rule=rule, num_regions=3)
+    g = torch.Generator().manual_seed(0)
+    W = cross_matrix(regions, rule, OnePeerTopology(seed=1), 0).float()
+    for _ in range(2):
+        region_points = torch.randn(3, 5, generator=g)
+        round_.region_step(torch.stack([region_points[regions.region_of(i)] for i in range(8)]))
+        if round_.in_flight:
+            round_.cross_destination.copy_(W @ posted)
+            round_.cross_land()
+            assert torch.allclose(round_.correction.sum(dim=0), torch.zeros(5), atol=1e-6)
+            assert float(round_.correction.abs().max()) > 1e-3
+        u_before = round_.cross.message(round_.region_start.detach().clone())
+        posted = round_.cross_message().clone()
+        assert torch.allclose(posted.mean(dim=0), u_before.mean(dim=0), atol=1e-6)
+        round_.cross_finish()
+        assert torch.equal(round_.region_start.detach(), posted)  # nothing waits for the exchange
+    with pytest.raises(RuntimeError, match="in flight"):
+        round_.cross_message()
+    with pytest.raises(RuntimeError, match="in flight"):
+        round_.state_dict()
+
+
+def test_the_delayed_crossing_s_period_matrix_is_what_the_oracle_measures_and_beta_1_diverges():
+    """The 4 x 4 period map (phi, b, x, c): a one-dimensional quadratic grows at its spectral radius in the float64
+    oracle. Region momentum 0.9 overshoots between crossings, so the full stale correction (beta = 1) diverges
+    where beta = 0.5 converges (both with cross_momentum 0)."""
+    unstable = TwoLevelRule(cross_every=2, cross_momentum=0.0, cross_overlap=True, cross_delayed_weight=1.0)
+    assert two_level_rate(unstable) > 1.0
+    assert two_level_rate(TwoLevelRule(cross_every=2, cross_momentum=0.0, cross_overlap=True)) < 1.0
+    s = torch.linspace(0, 0.99, 100, dtype=F64)
+    matrices = period_matrices(unstable, s, 0.0)
+    assert matrices.shape == (100, 4, 4)
+    radii = torch.linalg.eigvals(matrices).abs().amax(dim=-1)
+    worst = int(radii.argmax())
+    curvature = float(1 - s[worst] ** (1 / 5)) / 0.1
+    quadratics = Quadratics(2, dim=1, shared_hessian=True)
+    quadratics.hessians = torch.full((2, 1, 1), curvature, dtype=F64)
+    quadratics.centres = torch.zeros(2, 1, dtype=F64)
+    start = torch.tensor([[1.0], [-1.0]], dtype=F64)  # the difference mode of two regions: lambda 0 for a matching
+    rule = TwoLevelRule(cross_every=2, cross_momentum=0.0, cross_overlap=True, cross_delayed_weight=1.0)
+    trajectory = _oracle_from(quadratics, rule, start, 600)
+    measured = (float(trajectory[-1].abs().max()) / float(trajectory[-201].abs().max())) ** (1 / 200)
+    assert measured == pytest.approx(float(radii[worst]) ** 0.5, abs=3e-3) and measured > 1.0
+
+
+def _oracle_from(quadratics, rule, start, rounds):
+    """The delayed oracle for two regions of one worker each, paired at every crossing, from distinct starting rows
+    (the difference mode)."""
+    theta = start.clone()
+    b, phi, x, correction, posted = torch.zeros_like(theta), theta.clone(), theta.clone(), torch.zeros_like(theta), None
+    W = torch.full((2, 2), 0.5, dtype=F64)
+    trajectory = []
+    for t in range(rounds):
+        delta = theta - quadratics.local(theta)  # one member per region: its own Delta is the region's mean
+        b = rule.region_momentum * b + delta
+        theta = theta - rule.region_lr * (delta + rule.region_momentum * b)
+        if rule.is_cross_round(t):
+            z = phi + rule.cross_lr * (theta - phi)
+            u = z + rule.cross_momentum * (z - x)
+            if posted is not None:
+                correction = rule.cross_delayed_weight * (W @ posted - posted)
+            phi = u + correction
+            posted = phi.clone()
+            x = z + (phi - u) / (1 + rule.cross_momentum)
+            theta = phi.clone()
+        trajectory.append(theta.clone())
+    return trajectory
 
 
 def test_stability_numbers():

@@ -25,44 +25,57 @@ def local_progress(round_index: int) -> torch.Tensor:
     return torch.randn(len(LAYOUT), NUMEL, generator=torch.Generator().manual_seed(round_index))
 
 
-def topology(region_topology: str) -> TwoLevelTopology:
-    return TwoLevelTopology(LAYOUT, cross_every=2, region_topology=region_topology)
+def topology(region_topology: str, delayed: bool = False) -> TwoLevelTopology:
+    return TwoLevelTopology(LAYOUT, cross_every=2, region_topology=region_topology, cross_overlap=delayed)
 
 
-def _rank(rank: int, world_size: int, port: int, region_topology: str, queue) -> None:
+def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: bool, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        two_level = topology(region_topology)
+        two_level = topology(region_topology, delayed)
         rule = two_level.rule(region_lr=0.7, region_momentum=0.9)
-        transport = RegionTransport(two_level.regions, rank)
+        transport = RegionTransport(two_level.regions, rank, delayed=delayed, timeout=60.0)
         round_ = TwoLevelRound(torch.zeros(NUMEL), rule=rule, num_regions=two_level.regions.num_regions)
+        pending = None
         for t in range(ROUNDS):
             delta = round_.pseudo_gradient(round_.region_start.detach() + local_progress(t)[rank])
             round_.region_step(transport.region_mean_(delta))
             if round_.crosses(t):
+                if pending is not None:  # the delayed crossing: the last one lands, under this round's region mean
+                    transport.land_cross(pending, round_.cross_destination)
+                    round_.cross_land()
                 u = round_.cross_message()
-                if rule.cross_mean:
+                peers = None if rule.cross_mean else two_level.cross_peers(rank, t)
+                if delayed:
+                    pending = transport.post_cross(u, peers)
+                elif peers is None:
                     round_.cross_destination.copy_(transport.world_mean_(u.clone()))
                 else:
-                    transport.cross_mix(u, round_.cross_destination, two_level.cross_peers(rank, t))
+                    transport.cross_mix(u, round_.cross_destination, peers)
                 round_.cross_finish()
+        if pending is not None:
+            transport.land_cross(pending, round_.cross_destination)
+            round_.cross_land()
+            round_.fold_correction()
         queue.put((rank, round_.region_start.detach().numpy().tobytes(), transport.level_bytes()))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["waited", "delayed"])
 @pytest.mark.parametrize("region_topology", ["one_peer", "complete"])
-def test_ranks_compute_the_simulators_points_and_bytes(region_topology, fresh_port, one_torch_thread):
-    results = _fork_ranks(_rank, len(LAYOUT), fresh_port(), region_topology)
-    two_level = topology(region_topology)
+def test_ranks_compute_the_simulators_points_and_bytes(region_topology, delayed, fresh_port, one_torch_thread):
+    results = _fork_ranks(_rank, len(LAYOUT), fresh_port(), region_topology, delayed)
+    two_level = topology(region_topology, delayed)
     sim = TwoLevelRounds(initial=torch.zeros(len(LAYOUT), NUMEL), topology=two_level,
                          rule=two_level.rule(region_lr=0.7, region_momentum=0.9), clocks=WorkerClocks(None, 4))
     flat = torch.zeros(len(LAYOUT), NUMEL)
     for t in range(ROUNDS):
         flat += local_progress(t)
         sim.communicate(flat, t, list(range(len(LAYOUT))))
+    sim.flush(flat)
     for rank, point, level_bytes in results:
         got = torch.frombuffer(bytearray(point), dtype=torch.float32)
         torch.testing.assert_close(got, flat[rank], rtol=1e-6, atol=1e-5)  # gloo sums 4 ranks in its order

@@ -21,6 +21,18 @@ Workers fall into r regions (fast links inside, slow links across). Round t of w
        x_A'    = z_A + (phi_A' - u_A) / (1 + gamma_g)
        theta_A = phi_A'                                          (b_A is kept: each region's momentum is its own)
 
+   **Delayed crossing** (``cross_overlap``; beta = ``cross_delayed_weight``): the cross exchange is started at one
+   crossing and applied at the next, so it travels under the K region rounds between them (DiLoCoX's one-step
+   delay; GASLoC's ``overlap`` (``docs/algorithm.md`` section 5) with the regions as workers)::
+
+       p_A     = u_A + beta C_A                                  (C_A: the correction that arrived, 0 at first)
+       theta_A = p_A;  x_A' = z_A + (p_A - u_A) / (1 + gamma_g)  (at once: nothing waits for the exchange)
+       posted: p_A;  arrived by the next crossing: C_A = sum_B W_R[A, B] p_B - p_A
+
+   The posted point includes the correction already applied, so a correction is never measured twice. C is
+   antisymmetric pair by pair, so the mean over ranks follows the non-delayed rule's; the last correction is
+   folded in at the end of training.
+
    W_R is the round's mixing between regions (``TwoLevelTopology``: one peer region, lifted rank to
    rank, so rank l of region A carries 1/m of the bytes to rank l of region A'); the exact mean over
    all ranks (``cross_mean``) gives **hierarchical DiLoCo**.
@@ -62,6 +74,8 @@ class TwoLevelRule:
         region_lr, region_momentum: eta_r and gamma_r of DiLoCo inside a region.
         cross_lr, cross_momentum: eta_g and gamma_g of the anchored outer step across regions.
         cross_mean: the cross step is the exact mean over all ranks (hierarchical DiLoCo) instead of a gossip.
+        cross_overlap: start each cross exchange at one crossing and apply it at the next (the delayed crossing).
+        cross_delayed_weight: beta in (0, 1], the scale of the delayed correction (``cross_overlap`` only).
     """
 
     cross_every: int = 1
@@ -70,8 +84,14 @@ class TwoLevelRule:
     cross_lr: float = 1.0
     cross_momentum: float = 0.5
     cross_mean: bool = False
+    cross_overlap: bool = False
+    cross_delayed_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cross_overlap, bool):
+            raise ValueError(f"cross_overlap must be a bool, got {self.cross_overlap!r}")
+        if not 0.0 < self.cross_delayed_weight <= 1.0:
+            raise ValueError(f"cross_delayed_weight (beta) must be in (0, 1], got {self.cross_delayed_weight!r}")
         if isinstance(self.cross_every, bool) or not isinstance(self.cross_every, int) or self.cross_every < 1:
             raise ValueError(f"cross_every (K) must be an int >= 1, got {self.cross_every!r}")
         for level, lr, momentum in (("region", self.region_lr, self.region_momentum),
@@ -91,7 +111,10 @@ class TwoLevelRound:
 
     The engine moves the tensors: it averages :meth:`pseudo_gradient` inside each region (an all-reduce over
     the region's ranks) for :meth:`region_step`, and on a cross round mixes :meth:`cross_message` across
-    regions into :attr:`cross_destination` before :meth:`cross_finish`.
+    regions into :attr:`cross_destination` before :meth:`cross_finish`. With ``rule.cross_overlap`` it calls
+    :meth:`cross_finish` at once and mixes in the background: when the mix has landed in
+    :attr:`cross_destination` (by the next crossing, before its :meth:`cross_message`), :meth:`cross_land`;
+    at the end of training, :meth:`fold_correction`.
 
     Args:
         initial: the starting point(s), identical on every rank.
@@ -110,6 +133,11 @@ class TwoLevelRound:
                                            nesterov=rule.region_momentum > 0)
         self.cross = OuterState(initial, rule.cross_lr, rule.cross_momentum, "anchored")  # phi and x
         self._message = torch.empty_like(self.cross.round_start)
+        if rule.cross_overlap:  # p posted, the mix of the posted p that lands, and beta C not yet applied
+            self._posted = torch.empty_like(self._message)
+            self._arrived = torch.empty_like(self._message)
+            self.correction = torch.zeros_like(self._message)
+        self.in_flight = False  # a posted cross exchange has not landed (cross_overlap)
 
     def crosses(self, round_index: int) -> bool:
         """Whether round t ends with a cross step (never with one region)."""
@@ -130,19 +158,50 @@ class TwoLevelRound:
 
     @torch.no_grad()
     def cross_message(self) -> Tensor:
-        """u_A, the point this rank's region sends across (a buffer the engine may read until the finish)."""
-        return self.cross.message(self._message.copy_(self.region_start))
+        """The point this rank's region sends across: u_A, or with ``cross_overlap`` p_A = u_A + beta C_A (a buffer
+        the engine may read until the finish, or with ``cross_overlap`` until the exchange lands)."""
+        u = self.cross.message(self._message.copy_(self.region_start))
+        if not self.rule.cross_overlap:
+            return u
+        if self.in_flight:
+            raise RuntimeError("cross_message() while the last cross exchange is in flight: cross_land() first")
+        torch.add(u, self.correction, out=self._posted)
+        self.correction.zero_()
+        return self._posted
 
     @property
     def cross_destination(self) -> Tensor:
-        """Where the engine writes phi_A' = sum_B W_R[A, B] u_B (rows: each rank's region's)."""
-        return self.cross.mixed_destination()
+        """Where the engine writes phi_A' = sum_B W_R[A, B] m_B of the messages m (rows: each rank's region's)."""
+        return self._arrived if self.rule.cross_overlap else self.cross.mixed_destination()
 
     @torch.no_grad()
     def cross_finish(self) -> Tensor:
-        """The anchor x_A' from phi_A'; the region point becomes phi_A' (momentum kept). Returns it."""
+        """The anchor x_A' from the new region point: phi_A' (waited for), or with ``cross_overlap`` the posted p_A
+        (the exchange then travels until :meth:`cross_land`). Momentum is kept. Returns the region point."""
+        if self.rule.cross_overlap:
+            self.cross.mixed_destination().copy_(self._posted)
+            self.in_flight = True
         mixed = self.cross.finish(self._message, self.cross.mixed_destination())
         self.region_start.copy_(mixed)
+        return self.region_start.detach()
+
+    @torch.no_grad()
+    def cross_land(self) -> None:
+        """The posted exchange's mix is in :attr:`cross_destination`: beta C_A = beta (mix - p_A), applied by the next
+        :meth:`cross_message` (or :meth:`fold_correction`)."""
+        if not self.in_flight:
+            raise RuntimeError("cross_land() with no cross exchange in flight")
+        torch.sub(self._arrived, self._posted, out=self.correction).mul_(self.rule.cross_delayed_weight)
+        self.in_flight = False
+
+    @torch.no_grad()
+    def fold_correction(self) -> Tensor:
+        """End of training: the landed correction not yet applied goes into the region point. Returns it."""
+        if self.in_flight:
+            raise RuntimeError("fold_correction() while a cross exchange is in flight: cross_land() first")
+        if self.rule.cross_overlap:
+            self.region_start.add_(self.correction)
+            self.correction.zero_()
         return self.region_start.detach()
 
     @property
@@ -151,8 +210,14 @@ class TwoLevelRound:
         return self._region_sgd.state[self.region_start].get("momentum_buffer")
 
     def state_dict(self) -> dict:
-        return {"region_start": self.region_start.detach().clone(), "region_optimizer": self._region_sgd.state_dict(),
-                "cross": self.cross.state_dict()}
+        """Taken between rounds with nothing in flight (an engine lands or folds the delayed exchange first)."""
+        if self.in_flight:
+            raise RuntimeError("state_dict() while a cross exchange is in flight: land it first")
+        state = {"region_start": self.region_start.detach().clone(), "region_optimizer": self._region_sgd.state_dict(),
+                 "cross": self.cross.state_dict()}
+        if self.rule.cross_overlap:
+            state["correction"] = self.correction.clone()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state["region_start"].shape != self.region_start.shape:
@@ -161,3 +226,8 @@ class TwoLevelRound:
             self.region_start.copy_(state["region_start"])
         self._region_sgd.load_state_dict(state["region_optimizer"])
         self.cross.load_state_dict(state["cross"])
+        if self.rule.cross_overlap:
+            if "correction" not in state:
+                raise ValueError("the two-level state has no delayed correction: it was saved without cross_overlap")
+            self.correction.copy_(state["correction"])
+        self.in_flight = False

@@ -13,7 +13,12 @@ region's momentum, the cross anchor) linearly::
     crossing:  z = phi + eta_g (theta - phi);  u = z + gamma_g (z - x)
                phi' = lambda u;  x' = z + (phi' - u) / (1 + gamma_g);  b' = b
 
-:func:`period_matrices` builds that 3 x 3 matrix for every (s, lambda); :func:`two_level_rate` returns
+With the delayed crossing (``cross_overlap``, beta) the state gains the correction c that has landed and is
+not yet applied, and the crossing becomes::
+
+               p = u + c;  phi' = p;  x' = z + c / (1 + gamma_g);  c' = beta (lambda - 1) p;  b' = b
+
+:func:`period_matrices` builds that 3 x 3 (delayed: 4 x 4) matrix for every (s, lambda); :func:`two_level_rate` returns
 the largest per-round rate ``rho(M)^(1 / K)`` over s in [0, 1) and the given lambdas, plus the consensus
 modes (s = 1, lambda < 1). The invariant mode (s = 1, lambda = 1: no gradient, the mean) is excluded.
 A rate < 1 means the round converges on every such quadratic; it tends to 1 as s -> 1 (flat directions),
@@ -43,6 +48,8 @@ for every K tried. ``max_stable_cross_momentum`` gives the limit for a given rul
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -54,12 +61,13 @@ DEFAULT_EIGENVALUES = (0.0, 0.5, 1.0)
 
 
 def period_matrices(rule: TwoLevelRule, contractions: Tensor, eigenvalue: float) -> Tensor:
-    """(S, 3, 3) float64: one period's map of (phi, b, x) for every contraction s, at mixing eigenvalue lambda."""
+    """(S, 3, 3) float64: one period's map of (phi, b, x) for every contraction s, at mixing eigenvalue lambda;
+    (S, 4, 4) of (phi, b, x, c) with the delayed crossing (``rule.cross_overlap``)."""
     s = contractions.to(_DTYPE).reshape(-1, 1)  # (S, 1)
     eta_r, gamma_r, eta_g, gamma_g = rule.region_lr, rule.region_momentum, rule.cross_lr, rule.cross_momentum
-    phi = torch.eye(3, dtype=_DTYPE)[0].expand(s.shape[0], 3)  # rows of each state variable, as functions of
-    b = torch.eye(3, dtype=_DTYPE)[1].expand(s.shape[0], 3)  # the period's starting (phi, b, x): (S, 3)
-    x = torch.eye(3, dtype=_DTYPE)[2].expand(s.shape[0], 3)
+    size = 4 if rule.cross_overlap else 3
+    basis = torch.eye(size, dtype=_DTYPE)  # rows of each state variable, as functions of the period's start: (S, size)
+    phi, b, x = (basis[k].expand(s.shape[0], size) for k in range(3))
     theta = phi
     for _ in range(rule.cross_every):
         delta = (1 - s) * theta
@@ -71,6 +79,11 @@ def period_matrices(rule: TwoLevelRule, contractions: Tensor, eigenvalue: float)
             b = torch.zeros_like(b)
     z = phi + eta_g * (theta - phi)
     u = z + gamma_g * (z - x)
+    if rule.cross_overlap:
+        p = u + basis[3].expand(s.shape[0], size)  # u + c
+        new_x = z + (p - u) / (1 + gamma_g)
+        correction = rule.cross_delayed_weight * (eigenvalue - 1.0) * p
+        return torch.stack([p, b, new_x, correction], dim=1)  # (S, 4, 4)
     new_phi = eigenvalue * u
     new_x = z + (new_phi - u) / (1 + gamma_g)
     return torch.stack([new_phi, b, new_x], dim=1)  # (S, 3, 3)
@@ -110,9 +123,7 @@ def max_stable_cross_momentum(rule: TwoLevelRule, *, eigenvalues: tuple[float, .
     The stable set is an interval [0, limit) in every case measured; a bisection assumes it.
     """
     def stable(gamma: float) -> bool:
-        candidate = TwoLevelRule(cross_every=rule.cross_every, region_lr=rule.region_lr,
-                                 region_momentum=rule.region_momentum, cross_lr=rule.cross_lr,
-                                 cross_momentum=gamma, cross_mean=rule.cross_mean)
+        candidate = dataclasses.replace(rule, cross_momentum=gamma)
         return two_level_rate(candidate, eigenvalues=eigenvalues) < 1.0
 
     low, high = 0.0, 0.999

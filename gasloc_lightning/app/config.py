@@ -69,6 +69,8 @@ class TwoLevelTopologySchema(TopologySchema):
     region_topology: str = "one_peer"
     cross_lr: float = 1.0
     cross_momentum: float = 0.0
+    cross_overlap: bool = False
+    cross_delayed_weight: float = 0.5
 
 
 @dataclass

@@ -248,7 +248,8 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
         record.update(name="hierarchical_diloco" if two_level.cross_mean else "two_level", topology=topology.name,
                       outer_form="two_level", regions=list(topology.regions.sizes),
                       cross_every=two_level.cross_every, cross_lr=two_level.cross_lr,
-                      cross_momentum=two_level.cross_momentum)
+                      cross_momentum=two_level.cross_momentum, cross_overlap=two_level.cross_overlap,
+                      cross_delayed_weight=two_level.cross_delayed_weight)
     elif kind == "gasloc":
         sizes = [workers] if churn is None else sorted({workers, *churn.live_sizes()})
         gamma = resolve_outer_momentum_for_sizes(topology, sizes, strategy.outer_momentum, strategy.outer_form,
@@ -326,7 +327,8 @@ def _two_level_rule(cfg: DictConfig, topology: TwoLevelTopology, churn: Any, per
     refused = sorted(name for name, used in unsupported.items() if used)
     if refused:
         raise ValueError(f"topology two_level does not take {refused} yet: its round exchanges float32 whole "
-                         "models, synchronously, every worker at the same H")
+                         "models, every worker at the same H (to overlap the crossing with compute: "
+                         "topology.cross_overlap=true)")
     momentum = 0.9 if strategy.outer_momentum is None else float(strategy.outer_momentum)
     rule = topology.rule(region_lr=float(strategy.outer_lr), region_momentum=momentum)
     topology.check_rule(rule)

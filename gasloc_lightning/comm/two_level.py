@@ -11,6 +11,11 @@ tensors between ranks (one rank is one worker):
   across, and m flows share the slow link. Regions must have equal sizes here (the shards line up);
 - **cross mean** (hierarchical DiLoCo): an all-reduce over every rank.
 
+The delayed crossing posts the cross traffic (:meth:`RegionTransport.post_cross`) and lands it at the next
+crossing (:meth:`RegionTransport.land_cross`): the shard exchange, or the world all-reduce, then travels under
+the K region rounds. It runs on a process group of its own, so that nothing posted on the default group in
+between (Lightning's broadcasts, the region means' subgroups are separate already) can be matched against it.
+
 Every rank of the world creates every region's group, in region order, because ``new_group`` is a
 collective of the whole world. Bytes are counted per level, where they are sent (all-reduce and all-gather:
 the ring algorithm's volume).
@@ -20,13 +25,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gasloc_lightning.comm.encoded_mean import dedicated_group
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.topology.regions import Regions
+
+
+@dataclass
+class PendingCross:
+    """A cross exchange posted by :meth:`RegionTransport.post_cross`, to be landed by its ``land_cross``."""
+
+    padded: Tensor  # the message, padded to m equal shards (the world mean's buffer when ``mean``)
+    numel: int
+    peers: Mapping[int, float] = field(default_factory=dict)
+    received: dict[int, Tensor] = field(default_factory=dict)
+    works: list[Any] = field(default_factory=list)
+    mean: bool = False
 
 
 class RegionTransport:
@@ -35,9 +55,11 @@ class RegionTransport:
     Args:
         regions: every rank's region (equal sizes).
         rank: this rank in the default process group.
+        delayed: the delayed crossing: a process group of its own for the cross traffic in flight.
+        timeout: seconds a collective of that group may take.
     """
 
-    def __init__(self, regions: Regions, rank: int) -> None:
+    def __init__(self, regions: Regions, rank: int, *, delayed: bool = False, timeout: float = 600.0) -> None:
         if len(set(regions.sizes)) != 1:
             raise ValueError(f"the multi-process two-level round needs regions of equal sizes (rank l pairs with rank "
                              f"l), got sizes {list(regions.sizes)}")
@@ -51,6 +73,8 @@ class RegionTransport:
         self.local_index = regions.local_index(rank)
         self.bytes_region = 0
         self.bytes_cross = 0
+        # created after the region groups, by every rank, in the same order
+        self._cross_group = dedicated_group([range(regions.world_size)], rank, timeout=timeout) if delayed else None
 
     @torch.no_grad()
     def region_mean_(self, tensor: Tensor) -> Tensor:
@@ -79,29 +103,51 @@ class RegionTransport:
             destination: receives the mixed point (may not alias ``message``).
             peers: ``{rank: weight}`` across regions (every member of a region has peers in the same regions).
         """
-        if not peers:
-            return destination.copy_(message)
+        return self.land_cross(self.post_cross(message, peers), destination)
+
+    @torch.no_grad()
+    def post_cross(self, message: Tensor, peers: Mapping[int, float] | None) -> PendingCross:
+        """Start the crossing of ``message`` (copied: the caller may change it): the shard exchange with ``peers``,
+        or with ``peers=None`` the world mean (hierarchical DiLoCo). Land it with :meth:`land_cross`."""
         numel = message.numel()
+        if peers is None:
+            buffer = message.detach().clone()
+            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._cross_group, async_op=True)
+            self.bytes_cross += ring_all_reduce_bytes(numel * message.element_size(), self.regions.world_size)
+            return PendingCross(buffer, numel, works=[work], mean=True)
         chunk = math.ceil(numel / self.size)
         padded = torch.zeros(chunk * self.size, dtype=message.dtype, device=message.device)
         padded[:numel].copy_(message)
-        shards = padded.view(self.size, chunk)  # (m, chunk)
-        own = shards[self.local_index]
+        if not peers:
+            return PendingCross(padded, numel)
+        own = padded.view(self.size, chunk)[self.local_index]
         received = {j: torch.empty_like(own) for j in sorted(peers)}
-        operations = [dist.P2POp(dist.irecv, received[j], j) for j in sorted(peers)]  # receives first (see transport)
-        operations += [dist.P2POp(dist.isend, own, j) for j in sorted(peers)]
-        for work in dist.batch_isend_irecv(operations):
-            work.wait()
-        mixed = own.clone()
-        for j in sorted(peers):
-            mixed.add_(received[j] - own, alpha=peers[j])
+        operations = [dist.P2POp(dist.irecv, received[j], j, group=self._cross_group) for j in sorted(peers)]
+        operations += [dist.P2POp(dist.isend, own, j, group=self._cross_group) for j in sorted(peers)]  # receives first
         self.bytes_cross += len(peers) * min(chunk, numel) * message.element_size()
-        if self.size > 1:  # every member mixed its own shard: gather them (m - 1 shards in, as a ring all-gather)
+        return PendingCross(padded, numel, dict(peers), received, dist.batch_isend_irecv(operations))
+
+    @torch.no_grad()
+    def land_cross(self, pending: PendingCross, destination: Tensor) -> Tensor:
+        """Wait for a posted crossing and write its result into ``destination``: the world mean, or this rank's
+        mixed shard gathered with the other members' (m - 1 shards in, as a ring all-gather)."""
+        for work in pending.works:
+            work.wait()
+        if pending.mean:
+            return destination.copy_(pending.padded.div_(self.regions.world_size))
+        if not pending.peers:
+            return destination.copy_(pending.padded[:pending.numel])
+        shards = pending.padded.view(self.size, -1)  # (m, chunk)
+        own = shards[self.local_index]
+        mixed = own.clone()
+        for j in sorted(pending.peers):
+            mixed.add_(pending.received[j] - own, alpha=pending.peers[j])
+        if self.size > 1:  # every member mixed its own shard: gather them
             dist.all_gather(list(shards.unbind(0)), mixed, group=self.group)
-            self.bytes_cross += (self.size - 1) * chunk * message.element_size()
+            self.bytes_cross += (self.size - 1) * shards.shape[1] * pending.padded.element_size()
         else:
             shards[0].copy_(mixed)
-        return destination.copy_(padded[:numel])
+        return destination.copy_(pending.padded[:pending.numel])
 
     def level_bytes(self) -> dict[str, float]:
         """Bytes this rank sent at each level, so far."""

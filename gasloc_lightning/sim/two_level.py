@@ -12,8 +12,11 @@ them over process groups, and charges each move to the clocks:
   for hierarchical DiLoCo (``region_topology`` complete), an all-reduce over every rank (the network's
   cheaper of ring and hierarchical).
 
-The cross exchange is waited on where it happens: it is *not* overlapped with the next K rounds (started at
-one crossing and applied at the next); that delayed form is not built yet.
+The cross exchange is waited on where it happens, or with the delayed crossing (``cross_overlap``) posted at one
+crossing and completed at the next: the workers' clocks run the K region rounds (compute and region all-reduces)
+meanwhile, and the next crossing waits only for what is left of the transfer, then for the region's all-gather
+of the mixed shards. The arithmetic lands the mix there too (``TwoLevelRound.cross_land``), so what the
+simulator computes is what the engine does when the exchange arrives.
 
 Bytes are counted per worker and per level: :attr:`bytes_region` and :attr:`bytes_cross` (their sum is
 :attr:`bytes_sent`).
@@ -57,6 +60,7 @@ class TwoLevelRounds:
         self.bytes_region = torch.zeros(workers, dtype=torch.float64)
         self.bytes_cross = torch.zeros(workers, dtype=torch.float64)
         self._members = [torch.as_tensor(list(ranks), device=initial.device) for ranks in self.regions.members]
+        self._mean_ends: tuple[float, ...] = ()  # the delayed crossing's posted all-reduce: when it ends, per network
 
     @property
     def bytes_sent(self) -> Tensor:
@@ -80,20 +84,36 @@ class TwoLevelRounds:
             self.clocks.all_reduce(index.tolist())
         self.round.region_step(delta)
         if self.round.crosses(round_index):
+            self._land(numel)
             self._cross(round_index, numel)
         flat.copy_(self.round.region_start)
 
     def _cross(self, round_index: int, numel: int) -> None:
-        u = self.round.cross_message()  # (n, P): identical rows inside a region
+        u = self.round.cross_message()  # (n, P): identical rows inside a region (p with the delayed crossing)
         destination = self.round.cross_destination
         workers = u.shape[0]
         if self.rule.cross_mean:
             destination.copy_(u.sum(dim=0).div_(workers))
             self.bytes_cross += ring_all_reduce_bytes(numel * _FLOAT32, workers)
-            self.clocks.all_reduce(list(range(workers)))
+            if self.rule.cross_overlap:
+                self._mean_ends = self.clocks.all_reduce_posted(list(range(workers)), None, 1.0)
+            else:
+                self.clocks.all_reduce(list(range(workers)))
         else:
             self._gossip(u, destination, round_index, numel)
         self.round.cross_finish()
+
+    def _land(self, numel: int) -> None:
+        """The delayed crossing's exchange posted at the last crossing: wait for what is left of it, then land it."""
+        if not self.round.in_flight:
+            return
+        workers = list(range(self.round.region_start.shape[0]))
+        if self.rule.cross_mean:
+            self.clocks.wait_until(workers, self._mean_ends)
+        else:
+            self.clocks.complete()
+            self._all_gather(numel)
+        self.round.cross_land()
 
     def _gossip(self, u: Tensor, destination: Tensor, round_index: int, numel: int) -> None:
         """phi' = B C u: rank l mixes with rank l of the paired region (C), then each region averages (B)."""
@@ -114,9 +134,14 @@ class TwoLevelRounds:
         # The clock charges a whole message per pair at element_size bytes per modelled parameter: a shard.
         share = max(shard.values()) if shard else 1.0
         self.clocks.post(list(range(u.shape[0])), peers, pairs, _FLOAT32 * share)
-        self.clocks.complete()
+        if not self.rule.cross_overlap:  # else completed (and gathered) where it lands, at the next crossing
+            self.clocks.complete()
+            self._all_gather(numel)
+
+    def _all_gather(self, numel: int) -> None:
+        """Each region gathers its members' mixed shards: (m - 1) / m of the model, half an all-reduce."""
         for index in self._members:
-            if index.numel() > 1:  # the all-gather of the mixed shards: (m - 1) / m of the model, half an all-reduce
+            if index.numel() > 1:
                 self.bytes_cross[index] += ring_all_reduce_bytes(numel * _FLOAT32, index.numel()) / 2
                 self.clocks.all_reduce(index.tolist(), element_size=_FLOAT32 / 2)
 
@@ -130,7 +155,10 @@ class TwoLevelRounds:
         return fraction
 
     def flush(self, flat: Tensor) -> None:
-        """End of training: nothing is in flight (the cross exchange is waited on where it happens)."""
+        """End of training: the delayed crossing's exchange in flight lands and its correction is folded in."""
+        if self.rule.cross_overlap:
+            self._land(flat.shape[1])
+            flat.copy_(self.round.fold_correction())
 
     @torch.no_grad()
     def restore_round_start(self, flat: Tensor, worker: int) -> None:

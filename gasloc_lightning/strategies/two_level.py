@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from gasloc_lightning.algorithm.outer import validate_outer_hyperparameters
 from gasloc_lightning.algorithm.two_level import TwoLevelRound
-from gasloc_lightning.comm.two_level import RegionTransport
+from gasloc_lightning.comm.two_level import PendingCross, RegionTransport
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 from gasloc_lightning.topology.regions import TwoLevelTopology
 
@@ -49,6 +49,7 @@ class TwoLevelStrategy(LocalStepsStrategy):
         self._rule = topology.rule(region_lr=outer_lr, region_momentum=outer_momentum)
         self._round: TwoLevelRound | None = None
         self._regions: RegionTransport | None = None
+        self._in_flight: PendingCross | None = None  # the delayed crossing's exchange, landed at the next crossing
 
     @property
     def topology(self) -> TwoLevelTopology:
@@ -103,7 +104,8 @@ class TwoLevelStrategy(LocalStepsStrategy):
         params, _ = self.layout.split(self.layout.read())
         self._round = TwoLevelRound(params, rule=self._rule, num_regions=self._topology.regions.num_regions)
         if self.world_size > 1 and self._regions is None:  # new_group is a collective: once per process
-            self._regions = RegionTransport(self._topology.regions, self.global_rank)
+            self._regions = RegionTransport(self._topology.regions, self.global_rank, delayed=self._rule.cross_overlap,
+                                            timeout=self._collective_timeout)
 
     @override
     @torch.no_grad()
@@ -117,14 +119,38 @@ class TwoLevelStrategy(LocalStepsStrategy):
             regions.region_mean_(message)  # the region's mean Delta | mean buffers
         params.copy_(round_.region_step(params))
         if regions is not None and round_.crosses(self.round_index):
+            self._drain_exchanges()  # the delayed crossing: the last one's exchange lands before this one's message
             u = round_.cross_message()
-            if self._rule.cross_mean:
+            peers = None if self._rule.cross_mean else self._topology.cross_peers(self.global_rank, self.round_index)
+            if self._rule.cross_overlap:
+                self._in_flight = regions.post_cross(u, peers)
+            elif peers is None:
                 round_.cross_destination.copy_(regions.world_mean_(u.clone()))
             else:
-                regions.cross_mix(u, round_.cross_destination,
-                                  self._topology.cross_peers(self.global_rank, self.round_index))
+                regions.cross_mix(u, round_.cross_destination, peers)
             params.copy_(round_.cross_finish())
         self.layout.scatter(message)
+
+    @override
+    def _drain_exchanges(self) -> None:
+        """Land the delayed crossing's exchange in flight (its correction is applied at the next crossing)."""
+        if self._in_flight is None:
+            return
+        pending, self._in_flight = self._in_flight, None
+        self._regions.land_cross(pending, self._round.cross_destination)
+        self._round.cross_land()
+
+    @override
+    @torch.no_grad()
+    def _flush_exchanges(self) -> None:
+        """End of training: the last delayed correction goes into the live point and the region's round start."""
+        if self._round is None or not self._rule.cross_overlap:
+            return
+        self._drain_exchanges()
+        live = self.layout.read()
+        params, _ = self.layout.split(live)
+        params.copy_(self._round.fold_correction())
+        self.layout.scatter(live)
 
     @override
     def _on_replicas_averaged(self) -> None:

@@ -177,6 +177,11 @@ class TwoLevelTopology(Topology):
         region_topology: the mixing between regions (a :class:`Topology` on r ranks, or its name); default
             ``one_peer``. ``complete``: the cross step is the exact mean over all ranks (hierarchical DiLoCo).
         cross_lr, cross_momentum: eta_g and gamma_g of the two-level round's cross step (see :meth:`rule`).
+        cross_overlap: the delayed crossing: each cross exchange is started at one crossing and applied at the
+            next, under the K region rounds between them (``algorithm/two_level.py``).
+        cross_delayed_weight: beta in (0, 1], the scale of the delayed correction. 1 diverges on quadratics
+            whenever a region's own steps overshoot between crossings (DiLoCo's 0.9 momentum inside does);
+            0.5, Streaming DiLoCo's mixing factor, is stable for every K measured with cross_momentum 0.
         seed: the seed of the default region topology (a given topology keeps its own).
     """
 
@@ -185,7 +190,8 @@ class TwoLevelTopology(Topology):
 
     def __init__(self, regions: Regions | Sequence[Hashable], *, cross_every: int = 1,
                  region_topology: Topology | str | None = None, cross_lr: float = 1.0,
-                 cross_momentum: float = 0.5, seed: int = 0) -> None:
+                 cross_momentum: float = 0.5, cross_overlap: bool = False, cross_delayed_weight: float = 0.5,
+                 seed: int = 0) -> None:
         super().__init__(seed=seed)
         if isinstance(region_topology, str):
             region_topology = build_topology(region_topology, seed=seed)
@@ -199,14 +205,17 @@ class TwoLevelTopology(Topology):
         self._cross_every = int(cross_every)
         self._region_topology = OnePeerTopology(seed=seed) if region_topology is None else region_topology
         self._region_topology.check_world_size(self._regions.num_regions)
-        TwoLevelRule(cross_lr=cross_lr, cross_momentum=cross_momentum)  # refused here, by name, when out of range
+        TwoLevelRule(cross_lr=cross_lr, cross_momentum=cross_momentum, cross_overlap=cross_overlap,
+                     cross_delayed_weight=cross_delayed_weight)  # refused here, by name, when out of range
         self.cross_lr, self.cross_momentum = float(cross_lr), float(cross_momentum)
+        self.cross_overlap, self.cross_delayed_weight = cross_overlap, float(cross_delayed_weight)
 
     @classmethod
     def from_network(cls, *, sizes: Sequence[int] | None = None, scale_to: int | None = None,
                      regions: Sequence[Hashable] | None = None, bandwidth: Sequence[Sequence[float]] | None = None,
                      cross_every: int = 1, region_topology: Topology | str = "one_peer", cross_lr: float = 1.0,
-                     cross_momentum: float = 0.5, seed: int = 0) -> TwoLevelTopology:
+                     cross_momentum: float = 0.5, cross_overlap: bool = False, cross_delayed_weight: float = 0.5,
+                     seed: int = 0) -> TwoLevelTopology:
         """The regions from the user (``regions``: a label per rank, host names are fine), else a bandwidth matrix's
         clusters of fast links, else a clustered network's ``sizes`` (scaled to ``scale_to`` ranks as the network
         scales them). The other arguments are the class's.
@@ -224,14 +233,16 @@ class TwoLevelTopology(Topology):
             raise TopologyError("two_level needs regions: give topology.regions (a region label per rank), "
                                 "topology.bandwidth, or a clustered network (network=two_clusters, cloud_mix, many_sites)")
         return cls(layout, cross_every=cross_every, region_topology=region_topology, cross_lr=cross_lr,
-                   cross_momentum=cross_momentum, seed=seed)
+                   cross_momentum=cross_momentum, cross_overlap=cross_overlap,
+                   cross_delayed_weight=cross_delayed_weight, seed=seed)
 
     def rule(self, *, region_lr: float, region_momentum: float) -> TwoLevelRule:
         """The two-level round's hyperparameters: the region step's (the strategy's outer_lr / outer_momentum)
         and this topology's cross step."""
         return TwoLevelRule(cross_every=self._cross_every, region_lr=region_lr, region_momentum=region_momentum,
                             cross_lr=self.cross_lr, cross_momentum=self.cross_momentum,
-                            cross_mean=self._region_topology.uses_all_reduce)
+                            cross_mean=self._region_topology.uses_all_reduce, cross_overlap=self.cross_overlap,
+                            cross_delayed_weight=self.cross_delayed_weight)
 
     def check_rule(self, rule: TwoLevelRule) -> float:
         """Refuse a two-level rule that does not converge on quadratics; returns its per-round rate.
@@ -243,13 +254,18 @@ class TwoLevelTopology(Topology):
         rate = two_level_rate(rule, eigenvalues=_CHECKED_EIGENVALUES)
         if rate >= 1.0:
             limit = max_stable_cross_momentum(rule, eigenvalues=_CHECKED_EIGENVALUES)
+            delayed = f", delayed crossing with cross_delayed_weight {rule.cross_delayed_weight}" if rule.cross_overlap else ""
+            fix = (f"lower cross_momentum below {limit:.3f} or the region momentum" if limit > 0 else
+                   "no cross_momentum is stable here: lower cross_delayed_weight (0.5 is stable with cross_momentum 0 "
+                   "for every K measured) or the region momentum")
             raise ValueError(f"the two-level round diverges on quadratics (rate {rate:.4f} per round) with region "
                              f"(outer_lr, outer_momentum) = ({rule.region_lr}, {rule.region_momentum}), cross_every "
-                             f"{rule.cross_every}, cross (lr, momentum) = ({rule.cross_lr}, {rule.cross_momentum}): "
-                             f"lower cross_momentum below {limit:.3f} or the region momentum")
+                             f"{rule.cross_every}, cross (lr, momentum) = ({rule.cross_lr}, {rule.cross_momentum})"
+                             f"{delayed}: {fix}")
         r = self._regions.num_regions
         if r > 1 and not rule.cross_mean:
-            self._region_topology.resolve_momentum(r, rule.cross_momentum)
+            self._region_topology.resolve_momentum(r, rule.cross_momentum, overlap=rule.cross_overlap,
+                                                   delayed_weight=rule.cross_delayed_weight)
         return rate
 
     def resolve_momentum(self, world_size: int, requested: float | None, form: str = "anchored",
