@@ -100,6 +100,40 @@ def test_the_delayed_crossing_travels_under_the_region_rounds_compute(delayed):
     assert clocks.times()[0] - end == pytest.approx(3.2 + region_round / 2 if delayed else 0.0, rel=1e-3)
 
 
+def test_a_lossy_cross_codec_keeps_the_ranks_mean_and_sends_its_wire_s_bytes():
+    """int8 shards across: the mixed points differ from float32's by about the rounding, the mean over ranks does
+    not move (each rank keeps its own residual), and the cross bytes are int8's wire, about 0.26x float32's."""
+    from gasloc_lightning.algorithm.codecs import build_codec
+
+    numel, layout = 1000, [0, 0, 1, 1, 2, 2, 3, 3]
+    rule_of = lambda t: t.rule(region_lr=1.0, region_momentum=0.0)  # noqa: E731  the region step is the identity
+    results = {}
+    for codec in ("float32", "int8"):
+        topology = TwoLevelTopology(layout, cross_every=1, cross_momentum=0.0, cross_codec=codec)
+        engine = TwoLevelRounds(initial=torch.zeros(8, numel), topology=topology, rule=rule_of(topology),
+                                clocks=WorkerClocks(None, 8))
+        flat = torch.randn(4, numel, generator=torch.Generator().manual_seed(0)).repeat_interleave(2, dim=0)
+        before = flat.mean(dim=0)
+        engine.communicate(flat, 0, list(range(8)))
+        torch.testing.assert_close(flat.mean(dim=0), before, rtol=0, atol=1e-6)
+        results[codec] = (flat, float(engine.bytes_cross[0]))
+    (exact, exact_bytes), (coded, coded_bytes) = results["float32"], results["int8"]
+    assert 0 < float((coded - exact).abs().max()) <= 2 * 3.5 / 254  # absmax of N(0, 1) blocks: below 3.5
+    chunk = numel // 2
+    assert coded_bytes == build_codec("int8").wire_numel(chunk) + 4 * chunk * 1  # wire out; the gather is float32
+    assert exact_bytes == 4 * chunk + 4 * chunk
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"cross_codec": "topk"}, "sparse"), ({"cross_codec": "int3"}, "not a codec"),
+    ({"cross_codec": "int8", "region_topology": "complete"}, "hierarchical"),
+    ({"cross_codec": "int8", "layout": [0, 0, 0, 1]}, "equal sizes")])
+def test_a_cross_codec_the_crossing_cannot_take_is_refused_by_name(kwargs, message):
+    layout = kwargs.pop("layout", [0, 0, 1, 1])
+    with pytest.raises(ValueError, match=rf"cross_codec=.*{message}"):
+        TwoLevelTopology(layout, **kwargs)
+
+
 # ------------------------------------------------------------------ the app
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:

@@ -25,18 +25,19 @@ def local_progress(round_index: int) -> torch.Tensor:
     return torch.randn(len(LAYOUT), NUMEL, generator=torch.Generator().manual_seed(round_index))
 
 
-def topology(region_topology: str, delayed: bool = False) -> TwoLevelTopology:
-    return TwoLevelTopology(LAYOUT, cross_every=2, region_topology=region_topology, cross_overlap=delayed)
+def topology(region_topology: str, delayed: bool = False, codec: str = "float32") -> TwoLevelTopology:
+    return TwoLevelTopology(LAYOUT, cross_every=2, region_topology=region_topology, cross_overlap=delayed,
+                            cross_codec=codec)
 
 
-def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: bool, queue) -> None:
+def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: bool, codec: str, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        two_level = topology(region_topology, delayed)
+        two_level = topology(region_topology, delayed, codec)
         rule = two_level.rule(region_lr=0.7, region_momentum=0.9)
-        transport = RegionTransport(two_level.regions, rank, delayed=delayed, timeout=60.0)
+        transport = RegionTransport(two_level.regions, rank, delayed=delayed, timeout=60.0, codec=codec)
         round_ = TwoLevelRound(torch.zeros(NUMEL), rule=rule, num_regions=two_level.regions.num_regions)
         pending = None
         for t in range(ROUNDS):
@@ -64,11 +65,13 @@ def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("delayed", [False, True], ids=["waited", "delayed"])
-@pytest.mark.parametrize("region_topology", ["one_peer", "complete"])
-def test_ranks_compute_the_simulators_points_and_bytes(region_topology, delayed, fresh_port, one_torch_thread):
-    results = _fork_ranks(_rank, len(LAYOUT), fresh_port(), region_topology, delayed)
-    two_level = topology(region_topology, delayed)
+@pytest.mark.parametrize(("region_topology", "delayed", "codec"), [
+    ("one_peer", False, "float32"), ("complete", False, "float32"), ("one_peer", True, "float32"),
+    ("complete", True, "float32"), ("one_peer", False, "int8"), ("one_peer", True, "int4")],
+    ids=["gossip", "mean", "gossip-delayed", "mean-delayed", "gossip-int8", "gossip-delayed-int4"])
+def test_ranks_compute_the_simulators_points_and_bytes(region_topology, delayed, codec, fresh_port, one_torch_thread):
+    results = _fork_ranks(_rank, len(LAYOUT), fresh_port(), region_topology, delayed, codec)
+    two_level = topology(region_topology, delayed, codec)
     sim = TwoLevelRounds(initial=torch.zeros(len(LAYOUT), NUMEL), topology=two_level,
                          rule=two_level.rule(region_lr=0.7, region_momentum=0.9), clocks=WorkerClocks(None, 4))
     flat = torch.zeros(len(LAYOUT), NUMEL)

@@ -71,6 +71,7 @@ class TwoLevelTopologySchema(TopologySchema):
     cross_momentum: float = 0.0
     cross_overlap: bool = False
     cross_delayed_weight: float = 0.5
+    cross_codec: str = "float32"
 
 
 @dataclass

@@ -249,7 +249,7 @@ def build(cfg: DictConfig, metrics: MetricsTable | None = None) -> tuple[Simulat
                       outer_form="two_level", regions=list(topology.regions.sizes),
                       cross_every=two_level.cross_every, cross_lr=two_level.cross_lr,
                       cross_momentum=two_level.cross_momentum, cross_overlap=two_level.cross_overlap,
-                      cross_delayed_weight=two_level.cross_delayed_weight)
+                      cross_delayed_weight=two_level.cross_delayed_weight, cross_codec=topology.cross_codec)
     elif kind == "gasloc":
         sizes = [workers] if churn is None else sorted({workers, *churn.live_sizes()})
         gamma = resolve_outer_momentum_for_sizes(topology, sizes, strategy.outer_momentum, strategy.outer_form,

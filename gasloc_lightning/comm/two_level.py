@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from gasloc_lightning.algorithm.codecs import build_codec
 from gasloc_lightning.comm.encoded_mean import dedicated_group
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.topology.regions import Regions
@@ -44,9 +45,10 @@ class PendingCross:
     padded: Tensor  # the message, padded to m equal shards (the world mean's buffer when ``mean``)
     numel: int
     peers: Mapping[int, float] = field(default_factory=dict)
-    received: dict[int, Tensor] = field(default_factory=dict)
+    received: dict[int, Tensor] = field(default_factory=dict)  # the peers' shards, or their wires with a codec
     works: list[Any] = field(default_factory=list)
     mean: bool = False
+    own_decoded: Tensor | None = None  # with a codec: this rank's shard as its peers decode it
 
 
 class RegionTransport:
@@ -57,9 +59,12 @@ class RegionTransport:
         rank: this rank in the default process group.
         delayed: the delayed crossing: a process group of its own for the cross traffic in flight.
         timeout: seconds a collective of that group may take.
+        codec: how each shard crosses (a lossy codec: the decoded shards are mixed, this rank's own rounding
+            residual kept, as :class:`~gasloc_lightning.sim.two_level.TwoLevelRounds` computes).
     """
 
-    def __init__(self, regions: Regions, rank: int, *, delayed: bool = False, timeout: float = 600.0) -> None:
+    def __init__(self, regions: Regions, rank: int, *, delayed: bool = False, timeout: float = 600.0,
+                 codec: str = "float32") -> None:
         if len(set(regions.sizes)) != 1:
             raise ValueError(f"the multi-process two-level round needs regions of equal sizes (rank l pairs with rank "
                              f"l), got sizes {list(regions.sizes)}")
@@ -73,6 +78,7 @@ class RegionTransport:
         self.local_index = regions.local_index(rank)
         self.bytes_region = 0
         self.bytes_cross = 0
+        self._codec = None if codec == "float32" else build_codec(codec)
         # created after the region groups, by every rank, in the same order
         self._cross_group = dedicated_group([range(regions.world_size)], rank, timeout=timeout) if delayed else None
 
@@ -121,11 +127,19 @@ class RegionTransport:
         if not peers:
             return PendingCross(padded, numel)
         own = padded.view(self.size, chunk)[self.local_index]
-        received = {j: torch.empty_like(own) for j in sorted(peers)}
+        own_decoded = None
+        if self._codec is None:
+            outgoing = own
+            self.bytes_cross += len(peers) * min(chunk, numel) * message.element_size()
+        else:
+            outgoing = self._codec.new_wire(chunk, device=own.device)
+            own_decoded = self._codec.encode(own, outgoing, decoded=torch.empty_like(own))
+            self.bytes_cross += len(peers) * outgoing.numel()
+        received = {j: torch.empty_like(outgoing) for j in sorted(peers)}
         operations = [dist.P2POp(dist.irecv, received[j], j, group=self._cross_group) for j in sorted(peers)]
-        operations += [dist.P2POp(dist.isend, own, j, group=self._cross_group) for j in sorted(peers)]  # receives first
-        self.bytes_cross += len(peers) * min(chunk, numel) * message.element_size()
-        return PendingCross(padded, numel, dict(peers), received, dist.batch_isend_irecv(operations))
+        operations += [dist.P2POp(dist.isend, outgoing, j, group=self._cross_group) for j in sorted(peers)]
+        return PendingCross(padded, numel, dict(peers), received, dist.batch_isend_irecv(operations),
+                            own_decoded=own_decoded)  # receives first (see comm/transport.py)
 
     @torch.no_grad()
     def land_cross(self, pending: PendingCross, destination: Tensor) -> Tensor:
@@ -140,8 +154,14 @@ class RegionTransport:
         shards = pending.padded.view(self.size, -1)  # (m, chunk)
         own = shards[self.local_index]
         mixed = own.clone()
-        for j in sorted(pending.peers):
-            mixed.add_(pending.received[j] - own, alpha=pending.peers[j])
+        if pending.own_decoded is None:
+            for j in sorted(pending.peers):
+                mixed.add_(pending.received[j] - own, alpha=pending.peers[j])
+        else:  # shard + sum_j w_j (m_j - m_own): the mean over ranks is kept, each keeps its rounding residual
+            theirs = torch.empty_like(own)
+            for j in sorted(pending.peers):
+                self._codec.decode(pending.received[j], theirs)
+                mixed.add_(theirs.sub_(pending.own_decoded), alpha=pending.peers[j])
         if self.size > 1:  # every member mixed its own shard: gather them
             dist.all_gather(list(shards.unbind(0)), mixed, group=self.group)
             self.bytes_cross += (self.size - 1) * shards.shape[1] * pending.padded.element_size()

@@ -18,17 +18,23 @@ meanwhile, and the next crossing waits only for what is left of the transfer, th
 of the mixed shards. The arithmetic lands the mix there too (``TwoLevelRound.cross_land``), so what the
 simulator computes is what the engine does when the exchange arrives.
 
+With a lossy ``cross_codec`` each rank encodes its own shard (what the engine sends), mixes the peers' decoded
+shards with its own decoded one and keeps its own rounding residual (``shard + sum_j w_j (m_j - m_i)``), and the
+region gathers the mixed shards: the rows compute what each rank does, block for block.
+
 Bytes are counted per worker and per level: :attr:`bytes_region` and :attr:`bytes_cross` (their sum is
 :attr:`bytes_sent`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from gasloc_lightning.algorithm.codecs import build_codec
 from gasloc_lightning.algorithm.two_level import TwoLevelRound, TwoLevelRule
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.sim.rounds import WorkerClocks
@@ -61,6 +67,7 @@ class TwoLevelRounds:
         self.bytes_cross = torch.zeros(workers, dtype=torch.float64)
         self._members = [torch.as_tensor(list(ranks), device=initial.device) for ranks in self.regions.members]
         self._mean_ends: tuple[float, ...] = ()  # the delayed crossing's posted all-reduce: when it ends, per network
+        self._codec = None if topology.cross_codec == "float32" else build_codec(topology.cross_codec)
 
     @property
     def bytes_sent(self) -> Tensor:
@@ -121,19 +128,23 @@ class TwoLevelRounds:
         peers: dict[int, dict[int, float]] = {i: {} for i in range(u.shape[0])}
         for i, j in (cross - torch.diag(cross.diagonal())).nonzero().tolist():
             peers[i][j] = float(cross[i, j])
-        destination.copy_(u)
-        for i, row in peers.items():
-            for j, weight in row.items():
-                destination[i].add_(u[j] - u[i], alpha=weight)
-        for index in self._members:
-            destination[index] = destination.index_select(0, index).sum(dim=0).div_(index.numel())
         pairs = sorted({(min(i, j), max(i, j)) for i, row in peers.items() for j in row})
         shard = self._shard_fraction(peers)
-        for i, row in peers.items():
-            self.bytes_cross[i] += len(row) * shard[i] * numel * _FLOAT32
+        if self._codec is None:
+            destination.copy_(u)
+            for i, row in peers.items():
+                for j, weight in row.items():
+                    destination[i].add_(u[j] - u[i], alpha=weight)
+            for index in self._members:
+                destination[index] = destination.index_select(0, index).sum(dim=0).div_(index.numel())
+            for i, row in peers.items():
+                self.bytes_cross[i] += len(row) * shard[i] * numel * _FLOAT32
+            element_size = _FLOAT32
+        else:
+            element_size = self._encoded_mix(u, destination, peers)
         # The clock charges a whole message per pair at element_size bytes per modelled parameter: a shard.
         share = max(shard.values()) if shard else 1.0
-        self.clocks.post(list(range(u.shape[0])), peers, pairs, _FLOAT32 * share)
+        self.clocks.post(list(range(u.shape[0])), peers, pairs, element_size * share)
         if not self.rule.cross_overlap:  # else completed (and gathered) where it lands, at the next crossing
             self.clocks.complete()
             self._all_gather(numel)
@@ -144,6 +155,31 @@ class TwoLevelRounds:
             if index.numel() > 1:
                 self.bytes_cross[index] += ring_all_reduce_bytes(numel * _FLOAT32, index.numel()) / 2
                 self.clocks.all_reduce(index.tolist(), element_size=_FLOAT32 / 2)
+
+    def _encoded_mix(self, u: Tensor, destination: Tensor, peers: dict[int, dict[int, float]]) -> float:
+        """The crossing through ``cross_codec``, shard by shard as the ranks do it (regions of equal sizes m): rank i
+        (local index l) encodes shard l of u_i, mixes ``shard + sum_j w_ij (m_j - m_i)`` with the peers' decoded
+        shards, and its region gathers the members' mixed shards. Returns the wire's bytes per element."""
+        workers, numel = u.shape
+        m = self.regions.sizes[0]
+        chunk = math.ceil(numel / m)
+        padded = torch.zeros(workers, m * chunk, dtype=u.dtype, device=u.device)
+        padded[:, :numel].copy_(u)
+        local = torch.as_tensor([self.regions.local_index(i) for i in range(workers)], device=u.device)
+        own = padded.view(workers, m, chunk)[torch.arange(workers, device=u.device), local]  # (n, chunk): a copy
+        wire = self._codec.new_wire(chunk, workers, device=u.device)
+        decoded = self._codec.encode(own, wire, decoded=torch.empty_like(own))
+        mixed = own.clone()
+        for i, row in peers.items():
+            for j, weight in row.items():
+                mixed[i].add_(decoded[j] - decoded[i], alpha=weight)
+        gathered = torch.empty_like(padded).view(workers, m, chunk)
+        for index in self._members:  # every member holds the region's mixed shards, in local order
+            gathered[index] = mixed.index_select(0, index).unsqueeze(0)
+        destination.copy_(gathered.view(workers, -1)[:, :numel])
+        for i, row in peers.items():
+            self.bytes_cross[i] += len(row) * wire.shape[1]
+        return wire.shape[1] / chunk
 
     def _shard_fraction(self, peers: dict[int, dict[int, float]]) -> dict[int, float]:
         """The share of the model each paired rank carries: 1 / (ranks paired between its two regions)."""

@@ -105,7 +105,7 @@ class TwoLevelStrategy(LocalStepsStrategy):
         self._round = TwoLevelRound(params, rule=self._rule, num_regions=self._topology.regions.num_regions)
         if self.world_size > 1 and self._regions is None:  # new_group is a collective: once per process
             self._regions = RegionTransport(self._topology.regions, self.global_rank, delayed=self._rule.cross_overlap,
-                                            timeout=self._collective_timeout)
+                                            timeout=self._collective_timeout, codec=self._topology.cross_codec)
 
     @override
     @torch.no_grad()

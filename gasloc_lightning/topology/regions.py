@@ -45,6 +45,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
+from gasloc_lightning.algorithm.codecs import build_codec
 from gasloc_lightning.topology.bandwidth_aware import _clusters_from_bandwidth
 from gasloc_lightning.algorithm.two_level import TwoLevelRule
 from gasloc_lightning.algorithm.two_level_stability import max_stable_cross_momentum, two_level_rate
@@ -182,6 +183,10 @@ class TwoLevelTopology(Topology):
         cross_delayed_weight: beta in (0, 1], the scale of the delayed correction. 1 diverges on quadratics
             whenever a region's own steps overshoot between crossings (DiLoCo's 0.9 momentum inside does);
             0.5, Streaming DiLoCo's mixing factor, is stable for every K measured with cross_momentum 0.
+        cross_codec: how each rank's shard crosses (``float32``, ``bfloat16``, ``int8``, ``fp8``, ``int4``,
+            ``int2``; :mod:`~gasloc_lightning.algorithm.codecs`): a lossy one mixes the decoded shards and keeps
+            each rank's own rounding residual (the mean over ranks is kept). Gossip crossings between regions of
+            equal sizes only; the all-gather inside a region stays float32.
         seed: the seed of the default region topology (a given topology keeps its own).
     """
 
@@ -191,7 +196,7 @@ class TwoLevelTopology(Topology):
     def __init__(self, regions: Regions | Sequence[Hashable], *, cross_every: int = 1,
                  region_topology: Topology | str | None = None, cross_lr: float = 1.0,
                  cross_momentum: float = 0.5, cross_overlap: bool = False, cross_delayed_weight: float = 0.5,
-                 seed: int = 0) -> None:
+                 cross_codec: str = "float32", seed: int = 0) -> None:
         super().__init__(seed=seed)
         if isinstance(region_topology, str):
             region_topology = build_topology(region_topology, seed=seed)
@@ -209,13 +214,28 @@ class TwoLevelTopology(Topology):
                      cross_delayed_weight=cross_delayed_weight)  # refused here, by name, when out of range
         self.cross_lr, self.cross_momentum = float(cross_lr), float(cross_momentum)
         self.cross_overlap, self.cross_delayed_weight = cross_overlap, float(cross_delayed_weight)
+        try:
+            sparse = build_codec(cross_codec).sparse
+        except ValueError as error:
+            raise TopologyError(f"cross_codec={cross_codec!r} is not a codec: {error}") from None
+        if sparse:
+            raise TopologyError(f"cross_codec={cross_codec!r} is sparse (top-k): the crossing takes dense codecs "
+                                "(int8, int4, ...) for now")
+        if cross_codec != "float32":
+            if self._region_topology.uses_all_reduce:
+                raise TopologyError(f"cross_codec={cross_codec!r}: hierarchical DiLoCo's mean crosses in float32 "
+                                    "here; a lossy cross_codec is for the gossip crossing")
+            if len(set(self._regions.sizes)) != 1:
+                raise TopologyError(f"cross_codec={cross_codec!r} needs regions of equal sizes (rank l's shard "
+                                    f"pairs with rank l's), got sizes {list(self._regions.sizes)}")
+        self.cross_codec = cross_codec
 
     @classmethod
     def from_network(cls, *, sizes: Sequence[int] | None = None, scale_to: int | None = None,
                      regions: Sequence[Hashable] | None = None, bandwidth: Sequence[Sequence[float]] | None = None,
                      cross_every: int = 1, region_topology: Topology | str = "one_peer", cross_lr: float = 1.0,
                      cross_momentum: float = 0.5, cross_overlap: bool = False, cross_delayed_weight: float = 0.5,
-                     seed: int = 0) -> TwoLevelTopology:
+                     cross_codec: str = "float32", seed: int = 0) -> TwoLevelTopology:
         """The regions from the user (``regions``: a label per rank, host names are fine), else a bandwidth matrix's
         clusters of fast links, else a clustered network's ``sizes`` (scaled to ``scale_to`` ranks as the network
         scales them). The other arguments are the class's.
@@ -234,7 +254,7 @@ class TwoLevelTopology(Topology):
                                 "topology.bandwidth, or a clustered network (network=two_clusters, cloud_mix, many_sites)")
         return cls(layout, cross_every=cross_every, region_topology=region_topology, cross_lr=cross_lr,
                    cross_momentum=cross_momentum, cross_overlap=cross_overlap,
-                   cross_delayed_weight=cross_delayed_weight, seed=seed)
+                   cross_delayed_weight=cross_delayed_weight, cross_codec=cross_codec, seed=seed)
 
     def rule(self, *, region_lr: float, region_momentum: float) -> TwoLevelRule:
         """The two-level round's hyperparameters: the region step's (the strategy's outer_lr / outer_momentum)
