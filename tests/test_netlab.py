@@ -442,6 +442,23 @@ def test_rank_overrides_drop_the_labs_keys_in_every_hydra_form_and_compose_in_ga
     assert "netlab" not in cfg and "elastic" not in cfg and cfg.trainer.max_steps == 7
 
 
+def test_a_two_level_topology_gets_the_labs_sites_as_its_regions_and_composes_in_gasloc_train():
+    """The ranks run without the network (``~network``), from which two_level would take its regions: the lab gives
+    each rank's site instead, unless the user named the regions."""
+    plan = plan_lab(_preset("two_clusters"), workers=4, bandwidth_scale=0.01)
+    lab_cfg = _compose("netlab/app", ["netlab.mode=train", "network=two_clusters", "strategy=two_level",
+                                      "topology=two_level", "trainer.devices=4"])
+    regions = netlab_app.region_overrides(lab_cfg, plan)
+    assert regions == [f"topology.regions=[{','.join(map(str, plan.worker_sites))}]"] and len(set(plan.worker_sites)) == 2
+    cfg = _compose("train", ["strategy=two_level", "topology=two_level", *regions, "trainer.devices=1",
+                             "trainer.num_nodes=4", "~network"])  # as each rank's
+    assert list(cfg.topology.regions) == list(plan.worker_sites)
+    named = _compose("netlab/app", ["netlab.mode=train", "strategy=two_level", "topology=two_level",
+                                    "topology.regions=[a,a,b,b]"])
+    assert netlab_app.region_overrides(named, plan) == []
+    assert netlab_app.region_overrides(_compose("netlab/app", ["netlab.mode=train", "strategy=diloco"]), plan) == []
+
+
 # ------------------------------------------------------------------ the lab probe makes nothing
 def _system_namespaces() -> tuple[bool, list[str]]:
     return Path("/run/netns").exists(), (netns_names() if os.geteuid() == 0 else [])

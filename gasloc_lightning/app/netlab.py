@@ -369,7 +369,8 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
             env = {**base, "MASTER_ADDR": plan.addresses[0], "MASTER_PORT": str(cfg.netlab.train_port),
                    "WORLD_SIZE": str(world), "NODE_RANK": str(rank), "LOCAL_RANK": "0", "RANK": str(rank),
                    "GLOO_SOCKET_IFNAME": SITE_DEVICE, LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": "1"}
-            command = [sys.executable, "-m", "gasloc_lightning.app.train", *overrides, f"output_dir={run_dir}",
+            command = [sys.executable, "-m", "gasloc_lightning.app.train", *overrides, *region_overrides(cfg, plan),
+                       f"output_dir={run_dir}",
                        "trainer.devices=1", f"trainer.num_nodes={world}", "~network", "strategy.start_method=popen",
                        "hydra.output_subdir=null", f"hydra.run.dir={run_dir}"]
             with open(run_dir / f"rank_{rank}.log", "ab") as log_file:
@@ -386,6 +387,16 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
         raise RuntimeError(f"rank(s) {[r for r, c in enumerate(codes) if c != 0]} failed; see "
                            f"{run_dir}/rank_<R>.log")
     return {"wall_s": wall_s, "exit_codes": codes}
+
+
+def region_overrides(cfg: DictConfig, plan: Any) -> list[str]:
+    """``topology.regions=[...]``, each rank's site, for a two-level topology (``topology=two_level`` or
+    ``hierarchical``) that would take its regions from the network: the ranks run without the network
+    (``~network``), and the lab's sites are the regions. Nothing when the user gave ``topology.regions``."""
+    topology = cfg.get("topology") or {}
+    if "TwoLevelTopology" not in str(topology.get("_target_", "")) or topology.get("regions") is not None:
+        return []
+    return [f"topology.regions=[{','.join(str(site) for site in plan.worker_sites)}]"]
 
 
 def rank_overrides(overrides: list[str]) -> list[str]:
