@@ -243,7 +243,7 @@ class Scenario:
         if "diloco" in given:
             chosen["diloco"] = {key: value for key, value in given["diloco"].items() if key != "target"}
             target = tuple(given["diloco"]["target"]) if "target" in given["diloco"] else \
-                self.target(self.run("diloco", tuple(given["diloco"]["overrides"]), seed, "chosen"))
+                self.target(self.run("diloco", tuple(given["diloco"]["overrides"]), seed, run_label(given["diloco"])))
         else:
             diloco = {label: self.run("diloco", extra, seed, label) for label, extra in METHODS["diloco"].grid.items()}
             best = min(diloco, key=lambda label: self.target(diloco[label])[0])
@@ -288,16 +288,23 @@ class Scenario:
     def _held_out(self, chosen: dict[str, dict], runnable: list[str], seeds: tuple[int, ...]) -> dict[str, dict]:
         results: dict[str, dict] = {method: {"seeds": {}} for method in runnable}
         for seed in seeds:
-            diloco = self.run("diloco", chosen["diloco"]["overrides"], seed, "chosen")
+            diloco = self.run("diloco", chosen["diloco"]["overrides"], seed, run_label(chosen["diloco"]))
             target = self.target(diloco)
             for method in runnable:
                 run = diloco if method == "diloco" else self.run(method, tuple(chosen[method]["overrides"]), seed,
-                                                                 "chosen")
+                                                                 run_label(chosen[method]))
                 results[method]["seeds"][str(seed)] = {**self.score(run, target), "target_loss": target[0],
                                                        "diloco_time": target[1]}
         for result in results.values():
             result |= _summary(list(result["seeds"].values()))
         return results
+
+
+def run_label(entry: dict) -> str:
+    """The name a chosen configuration's runs are kept under: its grid label (``int8,eta=0.7,gamma=0.5``), so two
+    scenarios sharing runs that chose different points of one method keep both records (one name for both made
+    the second overwrite the first's record); ``default`` for a method without a grid."""
+    return entry.get("label") or "default"
 
 
 def best_form(chosen: dict[str, dict]) -> str | None:

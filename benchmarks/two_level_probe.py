@@ -26,7 +26,16 @@ METHODS = {
                   "topology.cross_momentum=0.5"],
     "hierarchical": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
                      "strategy.outer_momentum=0.9"],
+    # Streaming DiLoCo as docs/multicloud.md runs it (4 fragments, overlap, int4 pseudo-gradients)
+    "streaming_diloco": ["strategy=diloco", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.9",
+                         "strategy.fragments=4", "strategy.overlap=true", "strategy.message_codec=int4"],
+    # the delayed crossing (beta 0.5, gamma_g 0: the stable defaults), int4 shards across
+    "two_level_delayed": ["strategy=gasloc", "topology=two_level", "strategy.outer_lr=0.7",
+                          "strategy.outer_momentum=0.9", "topology.cross_overlap=true", "topology.cross_codec=int4"],
+    "hierarchical_delayed": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
+                             "strategy.outer_momentum=0.9", "topology.cross_overlap=true"],
 }
+TWO_LEVEL = ("two_level", "hierarchical", "two_level_delayed", "hierarchical_delayed")
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> dict:
@@ -35,7 +44,7 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict:
                  f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
                  f"inner_steps={args.inner_steps}", "sim.progress_every=0", f"sim.threads={args.threads}",
                  f"output_dir={out}", *METHODS[method]]
-    if method != "diloco":
+    if method in TWO_LEVEL:
         overrides.append(f"topology.cross_every={args.cross_every}")
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("sim/app", overrides=overrides)
@@ -57,15 +66,16 @@ def main() -> None:
     parser.add_argument("--cross-every", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["diloco", "two_level", "hierarchical"],
+                        choices=list(METHODS))
     parser.add_argument("--out", type=Path, default=Path("/tmp/two_level_probe"))
     args = parser.parse_args()
-    print("method        seed  val_loss  sim_time_s  MB_region  MB_cross  (per worker, modelled 1B fp32 clock;"
+    print("method                seed  val_loss  sim_time_s  MB_region  MB_cross  (per worker, modelled 1B fp32 clock;"
           " bytes of the demo's tiny model)")
     for seed in args.seeds:
         for method in args.methods:
             r = run(method, seed, args)
-            print(f"{r['method']:<13} {seed:>4}  {r['val_loss']:.4f}  {r['sim_time_s']:>10.1f}  "
+            print(f"{r['method']:<21} {seed:>4}  {r['val_loss']:.4f}  {r['sim_time_s']:>10.1f}  "
                   f"{r['bytes_region'] / 1e6:>9.2f}  {r['bytes_cross'] / 1e6:>8.2f}", flush=True)
 
 

@@ -268,6 +268,25 @@ def test_gaslocs_best_form_is_chosen_on_the_tuning_seed_and_alone_runs_the_held_
         mc.run_scenarios(4, ("jitter",), 40, 10, 0, (1, 2), tmp_path)
 
 
+def test_scenarios_sharing_runs_that_choose_different_points_keep_a_record_of_each(tmp_path, monkeypatch):
+    """jitter and two_clusters share their runs: where they choose different codecs for one method, each held-out
+    run is kept under its own grid label (one "chosen" name made the second overwrite the first's record)."""
+    monkeypatch.setattr(mc, "run_sim", lambda overrides, out: (lambda run: {**run, "also_traces": {
+        "two_clusters": run["trace"]}})(_stand_in_run(overrides, out)))
+    given = {"jitter": {"gasloc_compressed": {"label": "int8,eta=0.7,gamma=0.5", "overrides": [
+                 "strategy.message_codec=int8", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.5"]}},
+             "two_clusters": {"gasloc_compressed": {"label": "int4,eta=0.7,gamma=0.5", "overrides": [
+                 "strategy.message_codec=int4", "strategy.outer_lr=0.7", "strategy.outer_momentum=0.5"]}}}
+    mc.run_scenarios(4, ("jitter", "two_clusters"), 40, 10, 0, (1, 2, 3), tmp_path,
+                     methods=("diloco", "gasloc_compressed"), given=given)
+    folder = tmp_path / "runs" / "n4"
+    for codec in ("int8", "int4"):
+        for seed in (1, 2, 3):
+            name = mc.slug(f"shared_jitter_two_clusters_gasloc_compressed_{codec},eta=0.7,gamma=0.5_seed{seed}")
+            run = json.loads((folder / f"{name}.json").read_text())
+            assert f"strategy.message_codec={codec}" in run["overrides"]
+
+
 def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_record(tmp_path, monkeypatch):
     monkeypatch.setattr(mc, "run_sim", _stand_in_run)
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])
