@@ -146,6 +146,7 @@ def test_a_worker_that_trained_to_the_last_step_is_given_transfer_timeout_beyond
     assert grace({"state": "running", "step": 39}) == 7  # still training: a latecomer
     assert grace({"state": "starting", "step": 0}) == grace({}) == 7
     assert grace({"state": "done", "step": 40}) == 7  # it has finished: nothing to hand over from a live worker
+    assert end_grace_s({"state": "running", "step": 40}, cfg.elastic, max_steps=-1) == 7  # no last step to know
 
 
 def test_a_wildcard_bind_is_taken_when_written_with_an_address_to_advertise():

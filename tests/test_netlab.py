@@ -448,15 +448,18 @@ def test_a_two_level_topology_gets_the_labs_sites_as_its_regions_and_composes_in
     plan = plan_lab(_preset("two_clusters"), workers=4, bandwidth_scale=0.01)
     lab_cfg = _compose("netlab/app", ["netlab.mode=train", "network=two_clusters", "strategy=two_level",
                                       "topology=two_level", "trainer.devices=4"])
-    regions = netlab_app.region_overrides(lab_cfg, plan)
+    regions = netlab_app.region_overrides(lab_cfg, plan, ["strategy=two_level", "topology=two_level"])
     assert regions == [f"topology.regions=[{','.join(map(str, plan.worker_sites))}]"] and len(set(plan.worker_sites)) == 2
     cfg = _compose("train", ["strategy=two_level", "topology=two_level", *regions, "trainer.devices=1",
                              "trainer.num_nodes=4", "~network"])  # as each rank's
     assert list(cfg.topology.regions) == list(plan.worker_sites)
-    named = _compose("netlab/app", ["netlab.mode=train", "strategy=two_level", "topology=two_level",
-                                    "topology.regions=[a,a,b,b]"])
-    assert netlab_app.region_overrides(named, plan) == []
-    assert netlab_app.region_overrides(_compose("netlab/app", ["netlab.mode=train", "strategy=diloco"]), plan) == []
+    for given in ("topology.regions=[a,a,b,b]", "topology.sizes=[2,2]", "++topology.bandwidth=[[1,1],[1,1]]"):
+        assert netlab_app.region_overrides(lab_cfg, plan, ["topology=two_level", given]) == []  # the user's own
+    assert netlab_app.region_overrides(_compose("netlab/app", ["netlab.mode=train", "strategy=diloco"]), plan,
+                                       []) == []
+    uneven = plan_lab(_preset("two_clusters"), workers=3, bandwidth_scale=0.01)
+    with pytest.raises(ValueError, match="regions of equal sizes"):
+        netlab_app.region_overrides(lab_cfg, uneven, ["topology=two_level"])
 
 
 # ------------------------------------------------------------------ the lab probe makes nothing

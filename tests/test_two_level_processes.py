@@ -85,3 +85,35 @@ def test_ranks_compute_the_simulators_points_and_bytes(region_topology, delayed,
         assert level_bytes["comm/bytes_region"] == float(sim.bytes_region[rank])  # 7 all-reduces among 2
         assert level_bytes["comm/bytes_cross"] == pytest.approx(float(sim.bytes_cross[rank]), rel=1e-3)  # padding
     assert not torch.allclose(flat[0], flat[1])  # the regions differ between crossings (t = 6 is a region round)
+
+
+def _poisoned_rank(rank: int, world_size: int, port: int, region_topology: str, codec: str, queue) -> None:
+    """Two regions of one rank; rank 1 sends a message with a NaN."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        two_level = TwoLevelTopology([0, 1], cross_every=1, region_topology=region_topology, cross_overlap=True,
+                                     cross_codec=codec)
+        transport = RegionTransport(two_level.regions, rank, delayed=True, timeout=60.0, codec=codec)
+        message = torch.full((300,), float(rank + 1))
+        if rank == 1:
+            message[7] = float("nan")
+        peers = None if region_topology == "complete" else two_level.cross_peers(rank, 0)
+        destination = torch.empty(300)
+        rejected = transport.land_cross(transport.post_cross(message, peers), destination)
+        queue.put((rank, rejected, bool(torch.isfinite(destination).all()), float(destination[0])))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("region_topology", "codec"), [("one_peer", "float32"), ("one_peer", "int8"),
+                                                        ("complete", "float32")])
+def test_a_shard_or_mean_that_is_not_finite_is_left_out_and_reported(region_topology, codec, fresh_port,
+                                                                       one_torch_thread):
+    """As the one-level gossip drops a non-finite message: rank 0 keeps its own share and names the peer (-1: the
+    world mean); before, the NaN entered its region point for good."""
+    results = _fork_ranks(_poisoned_rank, 2, fresh_port(), region_topology, codec)
+    rank0 = results[0]
+    assert rank0[1] == ([-1] if region_topology == "complete" else [1])
+    assert rank0[2] and rank0[3] == pytest.approx(1.0, abs=0.01)  # its own message, finite

@@ -226,8 +226,6 @@ class TwoLevelRound:
             self.region_start.copy_(state["region_start"])
         self._region_sgd.load_state_dict(state["region_optimizer"])
         self.cross.load_state_dict(state["cross"])
-        if self.rule.cross_overlap:
-            if "correction" not in state:
-                raise ValueError("the two-level state has no delayed correction: it was saved without cross_overlap")
-            self.correction.copy_(state["correction"])
+        if self.rule.cross_overlap:  # saved without the delayed crossing: nothing was pending, a zero correction
+            self.correction.copy_(state["correction"]) if "correction" in state else self.correction.zero_()
         self.in_flight = False

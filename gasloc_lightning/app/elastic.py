@@ -335,7 +335,8 @@ def end_grace_s(progress: dict[str, Any], elastic: Any, *, max_steps: int) -> fl
     collective follows that heal). Stopping it at ``end_grace_s`` would kill the holder of the final model, so
     it gets ``transfer_timeout`` more; its own deadlines end that wait. Any other worker gets ``end_grace_s``.
     """
-    trained_to_the_end = progress.get("state") == "running" and int(progress.get("step") or 0) >= max_steps
+    trained_to_the_end = (max_steps > 0 and progress.get("state") == "running"
+                          and int(progress.get("step") or 0) >= max_steps)  # max_steps -1: no last step to know
     return elastic.end_grace_s + (elastic.transfer_timeout if trained_to_the_end else 0.0)
 
 

@@ -369,7 +369,7 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
             env = {**base, "MASTER_ADDR": plan.addresses[0], "MASTER_PORT": str(cfg.netlab.train_port),
                    "WORLD_SIZE": str(world), "NODE_RANK": str(rank), "LOCAL_RANK": "0", "RANK": str(rank),
                    "GLOO_SOCKET_IFNAME": SITE_DEVICE, LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": "1"}
-            command = [sys.executable, "-m", "gasloc_lightning.app.train", *overrides, *region_overrides(cfg, plan),
+            command = [sys.executable, "-m", "gasloc_lightning.app.train", *overrides, *region_overrides(cfg, plan, overrides),
                        f"output_dir={run_dir}",
                        "trainer.devices=1", f"trainer.num_nodes={world}", "~network", "strategy.start_method=popen",
                        "hydra.output_subdir=null", f"hydra.run.dir={run_dir}"]
@@ -389,14 +389,23 @@ def _train(cfg: DictConfig, lab: Lab, run_dir: Path) -> dict[str, Any]:
     return {"wall_s": wall_s, "exit_codes": codes}
 
 
-def region_overrides(cfg: DictConfig, plan: Any) -> list[str]:
+def region_overrides(cfg: DictConfig, plan: Any, overrides: list[str]) -> list[str]:
     """``topology.regions=[...]``, each rank's site, for a two-level topology (``topology=two_level`` or
     ``hierarchical``) that would take its regions from the network: the ranks run without the network
-    (``~network``), and the lab's sites are the regions. Nothing when the user gave ``topology.regions``."""
+    (``~network``), and the lab's sites are the regions. Nothing when the user's ``overrides`` give the regions
+    (``topology.regions``, ``topology.bandwidth`` or ``topology.sizes``): the ranks get those."""
     topology = cfg.get("topology") or {}
-    if "TwoLevelTopology" not in str(topology.get("_target_", "")) or topology.get("regions") is not None:
+    if "TwoLevelTopology" not in str(topology.get("_target_", "")):
         return []
-    return [f"topology.regions=[{','.join(str(site) for site in plan.worker_sites)}]"]
+    if any(_is_under(override, ("topology.regions", "topology.bandwidth", "topology.sizes")) for override in overrides):
+        return []
+    sites = list(plan.worker_sites)
+    counts = sorted({sites.count(site) for site in set(sites)})
+    if len(counts) != 1:
+        raise ValueError(f"{topology.get('_target_')}: the lab's sites hold {[sites.count(s) for s in sorted(set(sites))]} "
+                         "ranks; the two-level strategy needs regions of equal sizes (give trainer.devices a multiple "
+                         "of the sites, or topology.regions)")
+    return [f"topology.regions=[{','.join(str(site) for site in sites)}]"]
 
 
 def rank_overrides(overrides: list[str]) -> list[str]:

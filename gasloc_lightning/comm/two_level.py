@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gasloc_lightning.algorithm.codecs import build_codec
+from gasloc_lightning.algorithm.outer import all_finite
 from gasloc_lightning.comm.encoded_mean import dedicated_group
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.topology.regions import Regions
@@ -49,6 +50,7 @@ class PendingCross:
     works: list[Any] = field(default_factory=list)
     mean: bool = False
     own_decoded: Tensor | None = None  # with a codec: this rank's shard as its peers decode it
+    own: Tensor | None = None  # the world mean's own message, kept if the mean is not finite
 
 
 class RegionTransport:
@@ -101,8 +103,9 @@ class RegionTransport:
         return tensor
 
     @torch.no_grad()
-    def cross_mix(self, message: Tensor, destination: Tensor, peers: Mapping[int, float]) -> Tensor:
-        """``destination = u + sum_j w_j (u_j - u)`` with the peers' messages, carried shard by shard.
+    def cross_mix(self, message: Tensor, destination: Tensor, peers: Mapping[int, float]) -> list[int]:
+        """``destination = u + sum_j w_j (u_j - u)`` with the peers' messages, carried shard by shard; returns the
+        peers whose shard was refused as not finite (see :meth:`land_cross`).
 
         Args:
             message: u_A, this rank's region point to send (identical on every member of the region).
@@ -120,7 +123,7 @@ class RegionTransport:
             buffer = message.detach().clone()
             work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._cross_group, async_op=True)
             self.bytes_cross += ring_all_reduce_bytes(numel * message.element_size(), self.regions.world_size)
-            return PendingCross(buffer, numel, works=[work], mean=True)
+            return PendingCross(buffer, numel, works=[work], mean=True, own=message.detach().clone())
         chunk = math.ceil(numel / self.size)
         padded = torch.zeros(chunk * self.size, dtype=message.dtype, device=message.device)
         padded[:numel].copy_(message)
@@ -142,32 +145,48 @@ class RegionTransport:
                             own_decoded=own_decoded)  # receives first (see comm/transport.py)
 
     @torch.no_grad()
-    def land_cross(self, pending: PendingCross, destination: Tensor) -> Tensor:
+    def land_cross(self, pending: PendingCross, destination: Tensor) -> list[int]:
         """Wait for a posted crossing and write its result into ``destination``: the world mean, or this rank's
-        mixed shard gathered with the other members' (m - 1 shards in, as a ring all-gather)."""
+        mixed shard gathered with the other members' (m - 1 shards in, as a ring all-gather).
+
+        A peer's shard that is not finite (overflowed, or corrupted on the way: a codec's scales are raw bytes)
+        is left out, this rank keeping its own shard for that peer's share, as the one-level gossip drops such a
+        message; a world mean that is not finite leaves this rank's own message. Returns the peers left out
+        (-1: the world mean), for the caller to count (``comm/rejected_exchanges``).
+        """
         for work in pending.works:
             work.wait()
         if pending.mean:
-            return destination.copy_(pending.padded.div_(self.regions.world_size))
+            mean = pending.padded.div_(self.regions.world_size)
+            if all_finite(mean):
+                destination.copy_(mean)
+                return []
+            destination.copy_(pending.own)
+            return [-1]
         if not pending.peers:
-            return destination.copy_(pending.padded[:pending.numel])
+            destination.copy_(pending.padded[:pending.numel])
+            return []
         shards = pending.padded.view(self.size, -1)  # (m, chunk)
         own = shards[self.local_index]
-        mixed = own.clone()
-        if pending.own_decoded is None:
-            for j in sorted(pending.peers):
-                mixed.add_(pending.received[j] - own, alpha=pending.peers[j])
-        else:  # shard + sum_j w_j (m_j - m_own): the mean over ranks is kept, each keeps its rounding residual
-            theirs = torch.empty_like(own)
-            for j in sorted(pending.peers):
-                self._codec.decode(pending.received[j], theirs)
-                mixed.add_(theirs.sub_(pending.own_decoded), alpha=pending.peers[j])
+        mixed, rejected = own.clone(), []
+        theirs = torch.empty_like(own)
+        for j in sorted(pending.peers):
+            if pending.own_decoded is None:
+                theirs = pending.received[j]
+                difference = theirs - own
+            else:  # shard + sum_j w_j (m_j - m_own): the mean over ranks is kept, each keeps its rounding residual
+                difference = self._codec.decode(pending.received[j], theirs).sub_(pending.own_decoded)
+            if not all_finite(difference):
+                rejected.append(j)
+                continue
+            mixed.add_(difference, alpha=pending.peers[j])
         if self.size > 1:  # every member mixed its own shard: gather them
             dist.all_gather(list(shards.unbind(0)), mixed, group=self.group)
             self.bytes_cross += (self.size - 1) * shards.shape[1] * pending.padded.element_size()
         else:
             shards[0].copy_(mixed)
-        return destination.copy_(pending.padded[:pending.numel])
+        destination.copy_(pending.padded[:pending.numel])
+        return rejected
 
     def level_bytes(self) -> dict[str, float]:
         """Bytes this rank sent at each level, so far."""

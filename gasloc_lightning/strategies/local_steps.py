@@ -411,7 +411,7 @@ class LocalStepsStrategy(DDPStrategy):
             numel, self.root_device, self._gossip_timeout, self._bucket_cap_mb, group=self._workers.shard_peers_group,
             dtype=dtype,
         )
-        self._consensus = ConsensusSwap(self._layout, self._replica_mean, self._drain_exchanges)
+        self._consensus = ConsensusSwap(self._layout, self._replica_mean, self._drain_for_consensus)
         self._check_same_model_on_every_rank()
 
     def _check_same_model_on_every_rank(self) -> None:
@@ -508,6 +508,11 @@ class LocalStepsStrategy(DDPStrategy):
     def _flush_exchanges(self) -> None:
         """Hook: at the end of training, fold in whatever is still in flight."""
 
+    def _drain_for_consensus(self) -> None:
+        """Hook: what must land before the live points are averaged (a consensus measurement or evaluation):
+        by default every exchange in flight."""
+        self._drain_exchanges()
+
     # ------------------------------------------------------------------ the round
     @override
     def optimizer_step(
@@ -596,7 +601,7 @@ class LocalStepsStrategy(DDPStrategy):
         """Mean over workers of ||theta_i - mean(theta)||^2 over the trainable parameters (a collective)."""
         if self.world_size <= 1:
             return 0.0
-        self._drain_exchanges()
+        self._drain_for_consensus()
         params, _ = self.layout.split(self.layout.read())
         mean = self._replica_mean(params)
         distance = torch.sub(params, mean, out=mean).pow_(2).sum().reshape(1).double()

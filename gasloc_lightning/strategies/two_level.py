@@ -124,10 +124,9 @@ class TwoLevelStrategy(LocalStepsStrategy):
             peers = None if self._rule.cross_mean else self._topology.cross_peers(self.global_rank, self.round_index)
             if self._rule.cross_overlap:
                 self._in_flight = regions.post_cross(u, peers)
-            elif peers is None:
-                round_.cross_destination.copy_(regions.world_mean_(u.clone()))
             else:
-                regions.cross_mix(u, round_.cross_destination, peers)
+                for peer in regions.land_cross(regions.post_cross(u, peers), round_.cross_destination):
+                    self._guard.reject(peer, self._where())
             params.copy_(round_.cross_finish())
         self.layout.scatter(message)
 
@@ -136,9 +135,16 @@ class TwoLevelStrategy(LocalStepsStrategy):
         """Land the delayed crossing's exchange in flight (its correction is applied at the next crossing)."""
         if self._in_flight is None:
             return
-        pending, self._in_flight = self._in_flight, None
-        self._regions.land_cross(pending, self._round.cross_destination)
+        rejected = self._regions.land_cross(self._in_flight, self._round.cross_destination)
+        self._in_flight = None  # landed: a failed wait above leaves it in flight (and the round refuses a state)
         self._round.cross_land()
+        for peer in rejected:
+            self._guard.reject(peer, self._where())
+
+    @override
+    def _drain_for_consensus(self) -> None:
+        """Nothing: landing the delayed crossing changes no live point (its correction waits for the next crossing),
+        so a consensus measurement or evaluation leaves it in flight instead of waiting for the slow link."""
 
     @override
     @torch.no_grad()
@@ -160,6 +166,7 @@ class TwoLevelStrategy(LocalStepsStrategy):
 
     @override
     def strategy_state_dict(self) -> dict[str, Any]:
+        self._drain_exchanges()  # a checkpoint holds the landed correction, never an exchange in flight
         state = super().strategy_state_dict()
         if self._round is not None:
             state["two_level"] = self._round.state_dict()
