@@ -5,6 +5,12 @@ network=two_clusters, a few seeds, and prints each run's final consensus loss, s
 worker at each level. Short runs on one budget say nothing about which method wins (issue 31's protocol does).
 
     python benchmarks/two_level_probe.py --workers 16 --steps 100 --seeds 0 1 --out /tmp/two_level_probe
+
+``--map NETWORK [NETWORK ...]`` (e.g. ``two_clusters_10g two_clusters two_clusters_100m``, the cross-region
+bandwidth sweep) instead validates every round and times each run on every one of those networks at once
+(``sim.also_networks``: the clusters, hence the regions and the training, are the first one's): it prints each
+method's time to plain DiLoCo's loss at 2/3 of the steps, as a ratio to the fastest DiLoCo-family method there
+(plain, Streaming, hierarchical). A first look at the map of issue 31, not its protocol (no tuning, one budget).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import json
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+
+from sim_runs import run_sim, time_to_reach
 
 from gasloc_lightning.app import sim as sim_app
 from gasloc_lightning.app.config import config_dir
@@ -58,6 +66,38 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict:
             "bytes_cross": float(last.get("comm/bytes_cross") or 0.0), "bytes_sent": float(last["comm/bytes_sent"])}
 
 
+DILOCO_FAMILY = ("diloco", "streaming_diloco", "hierarchical", "hierarchical_delayed")
+
+
+def run_map(method: str, seed: int, args: argparse.Namespace) -> dict:
+    """One run validated every round, timed on every network of ``--map``: ``{network: trace}`` and its final loss."""
+    first, *others = args.map
+    overrides = [f"network={first}", f"sim.workers={args.workers}", f"seed={seed}", f"trainer.max_steps={args.steps}",
+                 f"trainer.val_check_interval={args.inner_steps}", f"inner_steps={args.inner_steps}",
+                 f"sim.threads={args.threads}", *METHODS[method]]
+    if others:
+        overrides.append(f"sim.also_networks=[{','.join(others)}]")
+    if method in TWO_LEVEL:
+        overrides.append(f"topology.cross_every={args.cross_every}")
+    run = run_sim(overrides, args.out / f"map_{method}_seed{seed}")
+    return {"val_loss": run["val_loss"], "traces": {first: run["trace"], **run["also_traces"]}}
+
+
+def print_map(runs: dict[str, dict], networks: list[str], steps: int) -> None:
+    """Each method's time to plain DiLoCo's loss at 2/3 of the steps, over the fastest DiLoCo-family method's."""
+    diloco = runs["diloco"]["traces"][networks[0]]
+    target = max((p for p in diloco if p[0] <= 2 * steps // 3), key=lambda p: p[0])[1]
+    print(f"target: plain DiLoCo's loss at step {2 * steps // 3}: {target:.4f}")
+    print("method                final_loss  " + "  ".join(f"{n:>18}" for n in networks))
+    times = {m: {n: time_to_reach(r["traces"][n], target) for n in networks} for m, r in runs.items()}
+    best = {n: min((times[m][n] for m in times if m in DILOCO_FAMILY and times[m][n] is not None), default=None)
+            for n in networks}
+    for method, run in runs.items():
+        cells = ["never" if times[method][n] is None else f"{times[method][n]:.0f}s {times[method][n] / best[n]:.2f}x"
+                 for n in networks]
+        print(f"{method:<21} {run['val_loss']:>10.4f}  " + "  ".join(f"{c:>18}" for c in cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=16)
@@ -69,7 +109,15 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["diloco", "two_level", "hierarchical"],
                         choices=list(METHODS))
     parser.add_argument("--out", type=Path, default=Path("/tmp/two_level_probe"))
+    parser.add_argument("--map", nargs="+", default=None, metavar="NETWORK",
+                        help="validate every round and time each run on these network presets (see above)")
     args = parser.parse_args()
+    if args.map:
+        if "diloco" not in args.methods:
+            parser.error("--map needs diloco among --methods: the target is its loss")
+        for seed in args.seeds:
+            print_map({method: run_map(method, seed, args) for method in args.methods}, args.map, args.steps)
+        return
     print("method                seed  val_loss  sim_time_s  MB_region  MB_cross  (per worker, modelled 1B fp32 clock;"
           " bytes of the demo's tiny model)")
     for seed in args.seeds:

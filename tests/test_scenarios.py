@@ -107,6 +107,28 @@ def test_an_all_reduce_over_the_live_ranks_costs_what_those_ranks_cost():
     assert inside < network.all_reduce_time(4e9) and network.all_reduce_time(4e9, ranks=[0]) == 0.0
 
 
+@pytest.mark.parametrize(("variant", "base", "factor"), [("two_clusters_10g", "two_clusters", 10.0),
+                                                          ("two_clusters_100m", "two_clusters", 0.1),
+                                                          ("many_sites_fast", "many_sites", 10.0),
+                                                          ("many_sites_slow", "many_sites", 0.1)])
+def test_the_bandwidth_sweep_presets_change_only_the_links_between_sites(variant, base, factor, tmp_path):
+    """Issue 31's sweep of the cross-region bandwidth: a variant is its base with the links between its clusters
+    (or its sites' uplinks) ``factor`` times as fast; inside a cluster, compute and latency are the same."""
+    built = {}
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        for name in (variant, base):
+            cfg = compose("sim/app", overrides=["experiment=demo", f"network={name}", "sim.workers=16",
+                                                f"output_dir={tmp_path}"])
+            built[name] = instantiate(cfg.network, _convert_="all")
+    fast, slow = built[variant], built[base]
+    bytes_ = fast.message_bytes()
+    assert fast.pairwise_time(0, 1, bytes_) == slow.pairwise_time(0, 1, bytes_)  # inside the first cluster
+    far = fast.world_size - 1  # in the last cluster
+    transfer = lambda network: network.pairwise_time(0, far, bytes_) - network.pairwise_time(0, far, 0.0)  # noqa: E731
+    assert transfer(slow) / transfer(fast) == pytest.approx(factor, rel=1e-6)
+    assert fast.step_time(0) == slow.step_time(0) and fast.num_clusters == slow.num_clusters
+
+
 # ---------------------------------------------------------------------- scaling
 def test_cluster_presets_scale_in_proportion_with_speeds_by_cluster():
     assert scaled_sizes([4, 4], 64) == [32, 32] and scaled_sizes([4, 2, 2], 64) == [32, 16, 16]
