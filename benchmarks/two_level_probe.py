@@ -42,8 +42,11 @@ METHODS = {
                           "strategy.outer_momentum=0.9", "topology.cross_overlap=true", "topology.cross_codec=int4"],
     "hierarchical_delayed": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
                              "strategy.outer_momentum=0.9", "topology.cross_overlap=true"],
+    # the same in float32 across, as hierarchical DiLoCo's mean crosses (the codec's share of the difference)
+    "two_level_delayed_f32": ["strategy=gasloc", "topology=two_level", "strategy.outer_lr=0.7",
+                              "strategy.outer_momentum=0.9", "topology.cross_overlap=true"],
 }
-TWO_LEVEL = ("two_level", "hierarchical", "two_level_delayed", "hierarchical_delayed")
+TWO_LEVEL = ("two_level", "hierarchical", "two_level_delayed", "hierarchical_delayed", "two_level_delayed_f32")
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> dict:
