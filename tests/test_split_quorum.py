@@ -128,6 +128,10 @@ def test_finished_workers_are_grouped_by_their_model_and_two_groups_are_reported
 _STAND_IN = """
 import json, os, pathlib, sys, time
 folder, checksum, checkpoint = pathlib.Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+# Training before the barrier is released: a stand-in that had not yet written its progress when another one
+# finished was stopped as having arrived after the run ended (seen once beside a busy loop: a model named with
+# one worker, not two).
+(folder / "progress.json").write_text(json.dumps({"pid": os.getpid(), "state": "running", "step": 0}))
 hold = os.environ.get("GASLOC_ELASTIC_HOLD_FILE")
 if hold:  # the launcher's start barrier, as a real worker takes it
     pathlib.Path(hold + ".ready").touch()
