@@ -42,11 +42,16 @@ METHODS = {
                           "strategy.outer_momentum=0.9", "topology.cross_overlap=true", "topology.cross_codec=int4"],
     "hierarchical_delayed": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
                              "strategy.outer_momentum=0.9", "topology.cross_overlap=true"],
-    # the same in float32 across, as hierarchical DiLoCo's mean crosses (the codec's share of the difference)
+    # the same in float32 across (the codec's share of the difference)
     "two_level_delayed_f32": ["strategy=gasloc", "topology=two_level", "strategy.outer_lr=0.7",
                               "strategy.outer_momentum=0.9", "topology.cross_overlap=true"],
+    # hierarchical DiLoCo with torchft's quantized all-reduce across (int4 changes since the last mean, shard by
+    # shard): the baseline with a lossy crossing, as two_level_delayed has one (waited on: not delayed)
+    "hierarchical_int4": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
+                          "strategy.outer_momentum=0.9", "topology.cross_codec=int4"],
 }
-TWO_LEVEL = ("two_level", "hierarchical", "two_level_delayed", "hierarchical_delayed", "two_level_delayed_f32")
+TWO_LEVEL = ("two_level", "hierarchical", "two_level_delayed", "hierarchical_delayed", "two_level_delayed_f32",
+             "hierarchical_int4")
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> dict:
@@ -69,7 +74,7 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict:
             "bytes_cross": float(last.get("comm/bytes_cross") or 0.0), "bytes_sent": float(last["comm/bytes_sent"])}
 
 
-DILOCO_FAMILY = ("diloco", "streaming_diloco", "hierarchical", "hierarchical_delayed")
+DILOCO_FAMILY = ("diloco", "streaming_diloco", "hierarchical", "hierarchical_delayed", "hierarchical_int4")
 
 
 def run_map(method: str, seed: int, args: argparse.Namespace) -> dict:

@@ -40,7 +40,7 @@ class Case:
     @property
     def lossy(self) -> bool:
         """Whether messages go through a lossy codec (bfloat16, int8, int4, ...)."""
-        return any(o.startswith("strategy.message_codec=") and o != "strategy.message_codec=float32"
+        return any(o.startswith(("strategy.message_codec=", "topology.cross_codec=")) and not o.endswith("=float32")
                    for o in self.overrides)
 
 
@@ -72,6 +72,10 @@ CASES = {
     # training (folded in), on a process group of its own.
     "two_level_delayed": Case(("strategy=two_level", "topology=two_level", "topology.regions=[0,0,1,1]",
                                "topology.cross_every=1", "topology.cross_overlap=true")),
+    # Hierarchical DiLoCo with an int8 crossing: each rank's shard of the change since the last mean, averaged by
+    # the quantized all-reduce among rank l of both regions (a group per local index), from the strategy's round.
+    "hierarchical_int8": Case(("strategy=two_level", "topology=hierarchical", "topology.regions=[0,0,1,1]",
+                               "topology.cross_every=2", "topology.cross_codec=int8")),
     "local": Case(("strategy=local",), workers=2),
     "uneven_h": Case(("strategy=gasloc", "topology=one_peer", "inner_steps=[2,1]"), workers=2),  # H_i: cohorts
     # Odd n: one worker sits out each round's matching and keeps its point (and its clock).

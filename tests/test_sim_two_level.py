@@ -14,7 +14,9 @@ from hydra.errors import InstantiationException
 
 from dist_utils import write_text_corpus
 from gasloc_lightning.app import sim as sim_app
+from gasloc_lightning.algorithm.round import EncodedMean
 from gasloc_lightning.app.config import config_dir
+from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.network import NetworkModel
 from gasloc_lightning.sim import TwoLevelRounds, WorkerClocks
 from gasloc_lightning.topology.regions import TwoLevelTopology
@@ -124,9 +126,35 @@ def test_a_lossy_cross_codec_keeps_the_ranks_mean_and_sends_its_wire_s_bytes():
     assert exact_bytes == 4 * chunk + 4 * chunk
 
 
+def test_hierarchical_diloco_s_quantized_mean_leaves_one_point_near_the_exact_mean():
+    """int8 hierarchical crossing: every rank ends on the same point (a mean, not a mix), within int8's rounding of
+    the changes since the last mean (not of the points), and each rank sends DiLoCo's quantized all-reduce of its
+    shard among the r regions' rank l (2 (r - 1) sub-chunk wires), then gathers its region's shards."""
+    numel, layout = 1000, [0, 0, 1, 1, 2, 2, 3, 3]
+    start = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 10  # points far larger than changes
+    results = {}
+    for codec in ("float32", "int8"):
+        topology = TwoLevelTopology(layout, cross_every=1, region_topology="complete", cross_momentum=0.0,
+                                    cross_codec=codec)
+        engine = TwoLevelRounds(initial=start.repeat(8, 1), topology=topology,
+                                rule=topology.rule(region_lr=1.0, region_momentum=0.0), clocks=WorkerClocks(None, 8))
+        change = torch.randn(4, numel, generator=torch.Generator().manual_seed(0)).repeat_interleave(2, dim=0)
+        flat = start + change
+        engine.communicate(flat, 0, list(range(8)))
+        results[codec] = (flat, float(engine.bytes_cross[0]))
+    (exact, exact_bytes), (coded, coded_bytes) = results["float32"], results["int8"]
+    assert torch.equal(coded, coded[0].expand_as(coded))  # one point
+    error = float((coded[0] - exact[0]).abs().max())
+    assert 0 < error <= 2 * 3.5 / 254  # the changes' rounding (N(0, 1) blocks), not the points' (10x larger)
+    shard_mean = EncodedMean("int8", numel // 2, 4)  # each rank's shard (m = 2) averaged over r = 4 regions
+    assert coded_bytes == 2 * 3 * shard_mean.chunk_wire + 4 * (numel // 2)  # all-to-all + all-gather; the gather
+    assert exact_bytes == ring_all_reduce_bytes(4 * numel, 8)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"cross_codec": "topk"}, "sparse"), ({"cross_codec": "int3"}, "not a codec"),
-    ({"cross_codec": "int8", "region_topology": "complete"}, "hierarchical"),
+    ({"cross_codec": "int8", "region_topology": "complete", "cross_overlap": True}, "delayed crossing"),
+    ({"cross_codec": "int2", "region_topology": "complete"}, "no zero level"),
     ({"cross_codec": "int8", "layout": [0, 0, 0, 1]}, "equal sizes")])
 def test_a_cross_codec_the_crossing_cannot_take_is_refused_by_name(kwargs, message):
     layout = kwargs.pop("layout", [0, 0, 1, 1])

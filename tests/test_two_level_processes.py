@@ -37,7 +37,8 @@ def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: 
     try:
         two_level = topology(region_topology, delayed, codec)
         rule = two_level.rule(region_lr=0.7, region_momentum=0.9)
-        transport = RegionTransport(two_level.regions, rank, delayed=delayed, timeout=60.0, codec=codec)
+        transport = RegionTransport(two_level.regions, rank, delayed=delayed, timeout=60.0, codec=codec,
+                                    cross_mean=rule.cross_mean)
         round_ = TwoLevelRound(torch.zeros(NUMEL), rule=rule, num_regions=two_level.regions.num_regions)
         pending = None
         for t in range(ROUNDS):
@@ -51,8 +52,9 @@ def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: 
                 peers = None if rule.cross_mean else two_level.cross_peers(rank, t)
                 if delayed:
                     pending = transport.post_cross(u, peers)
-                elif peers is None:
-                    round_.cross_destination.copy_(transport.world_mean_(u.clone()))
+                elif peers is None:  # a quantized mean averages the change since the last one (the round start)
+                    posted = transport.post_cross(u, None, reference=round_.cross.round_start)
+                    transport.land_cross(posted, round_.cross_destination)
                 else:
                     transport.cross_mix(u, round_.cross_destination, peers)
                 round_.cross_finish()
@@ -67,8 +69,8 @@ def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: 
 
 @pytest.mark.parametrize(("region_topology", "delayed", "codec"), [
     ("one_peer", False, "float32"), ("complete", False, "float32"), ("one_peer", True, "float32"),
-    ("complete", True, "float32"), ("one_peer", False, "int8"), ("one_peer", True, "int4")],
-    ids=["gossip", "mean", "gossip-delayed", "mean-delayed", "gossip-int8", "gossip-delayed-int4"])
+    ("complete", True, "float32"), ("one_peer", False, "int8"), ("one_peer", True, "int4"), ("complete", False, "int4")],
+    ids=["gossip", "mean", "gossip-delayed", "mean-delayed", "gossip-int8", "gossip-delayed-int4", "mean-int4"])
 def test_ranks_compute_the_simulators_points_and_bytes(region_topology, delayed, codec, fresh_port, one_torch_thread):
     results = _fork_ranks(_rank, len(LAYOUT), fresh_port(), region_topology, delayed, codec)
     two_level = topology(region_topology, delayed, codec)

@@ -9,7 +9,10 @@ tensors between ranks (one rank is one worker):
   the l-th of m shards to rank l of each paired region (``TwoLevelTopology.cross_peers``: the lifted region
   mixing), mixes that shard, and the region all-gathers the mixed shards. Each rank carries 1/m of the model
   across, and m flows share the slow link. Regions must have equal sizes here (the shards line up);
-- **cross mean** (hierarchical DiLoCo): an all-reduce over every rank.
+- **cross mean** (hierarchical DiLoCo): an all-reduce over every rank; with a lossy codec, rank l averages the l-th
+  shard of its region's change since the last mean with rank l of every other region by DiLoCo's quantized
+  all-reduce (:class:`~gasloc_lightning.comm.encoded_mean.EncodedAllReduce`, on a group per local index), then the
+  region all-gathers the shards (blocking).
 
 The delayed crossing posts the cross traffic (:meth:`RegionTransport.post_cross`) and lands it at the next
 crossing (:meth:`RegionTransport.land_cross`): the shard exchange, or the world all-reduce, then travels under
@@ -34,7 +37,7 @@ from torch import Tensor
 
 from gasloc_lightning.algorithm.codecs import build_codec
 from gasloc_lightning.algorithm.outer import all_finite
-from gasloc_lightning.comm.encoded_mean import dedicated_group
+from gasloc_lightning.comm.encoded_mean import EncodedAllReduce, dedicated_group
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.topology.regions import Regions
 
@@ -43,7 +46,7 @@ from gasloc_lightning.topology.regions import Regions
 class PendingCross:
     """A cross exchange posted by :meth:`RegionTransport.post_cross`, to be landed by its ``land_cross``."""
 
-    padded: Tensor  # the message, padded to m equal shards (the world mean's buffer when ``mean``)
+    padded: Tensor  # the message, padded to m equal shards (the world mean's sum, or the mean itself, when ``mean``)
     numel: int
     peers: Mapping[int, float] = field(default_factory=dict)
     received: dict[int, Tensor] = field(default_factory=dict)  # the peers' shards, or their wires with a codec
@@ -51,6 +54,7 @@ class PendingCross:
     mean: bool = False
     own_decoded: Tensor | None = None  # with a codec: this rank's shard as its peers decode it
     own: Tensor | None = None  # the world mean's own message, kept if the mean is not finite
+    divisor: int = 1  # the world mean's: what ``padded`` is divided by when it lands
 
 
 class RegionTransport:
@@ -62,11 +66,14 @@ class RegionTransport:
         delayed: the delayed crossing: a process group of its own for the cross traffic in flight.
         timeout: seconds a collective of that group may take.
         codec: how each shard crosses (a lossy codec: the decoded shards are mixed, this rank's own rounding
-            residual kept, as :class:`~gasloc_lightning.sim.two_level.TwoLevelRounds` computes).
+            residual kept, or for the world mean the shards' changes averaged by a quantized all-reduce, as
+            :class:`~gasloc_lightning.sim.two_level.TwoLevelRounds` computes).
+        cross_mean: the crossing is the world mean (hierarchical DiLoCo): with a lossy codec, a process group per
+            local index (rank l of every region) carries it.
     """
 
     def __init__(self, regions: Regions, rank: int, *, delayed: bool = False, timeout: float = 600.0,
-                 codec: str = "float32") -> None:
+                 codec: str = "float32", cross_mean: bool = False) -> None:
         if len(set(regions.sizes)) != 1:
             raise ValueError(f"the multi-process two-level round needs regions of equal sizes (rank l pairs with rank "
                              f"l), got sizes {list(regions.sizes)}")
@@ -80,7 +87,13 @@ class RegionTransport:
         self.local_index = regions.local_index(rank)
         self.bytes_region = 0
         self.bytes_cross = 0
+        self._codec_name = codec
         self._codec = None if codec == "float32" else build_codec(codec)
+        self._column = None  # rank l of every region: the quantized world mean's group
+        if cross_mean and self._codec is not None:
+            columns = [dist.new_group([members[local] for members in regions.members]) for local in range(self.size)]
+            self._column = columns[self.local_index]
+        self._encoded: EncodedAllReduce | None = None
         # created after the region groups, by every rank, in the same order
         self._cross_group = dedicated_group([range(regions.world_size)], rank, timeout=timeout) if delayed else None
 
@@ -91,15 +104,6 @@ class RegionTransport:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
             tensor.div_(self.size)
             self.bytes_region += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), self.size)
-        return tensor
-
-    @torch.no_grad()
-    def world_mean_(self, tensor: Tensor) -> Tensor:
-        """In place: the mean of ``tensor`` over every rank (hierarchical DiLoCo's crossing)."""
-        world = self.regions.world_size
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor.div_(world)
-        self.bytes_cross += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), world)
         return tensor
 
     @torch.no_grad()
@@ -115,15 +119,23 @@ class RegionTransport:
         return self.land_cross(self.post_cross(message, peers), destination)
 
     @torch.no_grad()
-    def post_cross(self, message: Tensor, peers: Mapping[int, float] | None) -> PendingCross:
+    def post_cross(self, message: Tensor, peers: Mapping[int, float] | None, *,
+                   reference: Tensor | None = None) -> PendingCross:
         """Start the crossing of ``message`` (copied: the caller may change it): the shard exchange with ``peers``,
-        or with ``peers=None`` the world mean (hierarchical DiLoCo). Land it with :meth:`land_cross`."""
+        or with ``peers=None`` the world mean (hierarchical DiLoCo). Land it with :meth:`land_cross`.
+
+        ``reference``: with a lossy codec, the world mean averages ``message - reference`` and adds it back; it must
+        be the same on every rank (the last crossing's mean: the cross step's round start). That mean is computed
+        here, blocking (the delayed crossing refuses it)."""
         numel = message.numel()
+        if peers is None and self._column is not None:
+            return self._encoded_mean(message, reference)
         if peers is None:
             buffer = message.detach().clone()
             work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._cross_group, async_op=True)
             self.bytes_cross += ring_all_reduce_bytes(numel * message.element_size(), self.regions.world_size)
-            return PendingCross(buffer, numel, works=[work], mean=True, own=message.detach().clone())
+            return PendingCross(buffer, numel, works=[work], mean=True, own=message.detach().clone(),
+                                divisor=self.regions.world_size)
         chunk = math.ceil(numel / self.size)
         padded = torch.zeros(chunk * self.size, dtype=message.dtype, device=message.device)
         padded[:numel].copy_(message)
@@ -144,6 +156,33 @@ class RegionTransport:
         return PendingCross(padded, numel, dict(peers), received, dist.batch_isend_irecv(operations),
                             own_decoded=own_decoded)  # receives first (see comm/transport.py)
 
+    def _encoded_mean(self, message: Tensor, reference: Tensor | None) -> PendingCross:
+        """The quantized world mean: shard l of ``message - reference`` averaged over rank l of every region (DiLoCo's
+        quantized all-reduce), ``reference`` added back, the region's shards gathered."""
+        if reference is None or reference.shape != message.shape:
+            raise ValueError("a quantized cross mean needs the reference point every rank shares (the last mean), "
+                             "shaped as the message")
+        numel = message.numel()
+        chunk = math.ceil(numel / self.size)
+        padded = torch.zeros(chunk * self.size, dtype=torch.float32, device=message.device)
+        torch.sub(message, reference, out=padded[:numel])
+        base = torch.zeros_like(padded)
+        base[:numel].copy_(reference)
+        if self._encoded is None:
+            self._encoded = EncodedAllReduce(self._codec_name, chunk, self.regions.num_regions, message.device)
+        shards, bases = padded.view(self.size, chunk), base.view(self.size, chunk)
+        own = shards[self.local_index]
+        self._encoded.encode(own)
+        self._encoded.exchange(self._column)
+        mean = self._encoded.decode(torch.empty_like(own)).add_(bases[self.local_index])
+        self.bytes_cross += self._encoded.volume
+        if self.size > 1:
+            dist.all_gather(list(shards.unbind(0)), mean, group=self.group)
+            self.bytes_cross += (self.size - 1) * chunk * padded.element_size()
+        else:
+            own.copy_(mean)
+        return PendingCross(padded, numel, mean=True, own=message.detach().clone())
+
     @torch.no_grad()
     def land_cross(self, pending: PendingCross, destination: Tensor) -> list[int]:
         """Wait for a posted crossing and write its result into ``destination``: the world mean, or this rank's
@@ -157,7 +196,9 @@ class RegionTransport:
         for work in pending.works:
             work.wait()
         if pending.mean:
-            mean = pending.padded.div_(self.regions.world_size)
+            mean = pending.padded[:pending.numel]
+            if pending.divisor != 1:
+                mean.div_(pending.divisor)
             if all_finite(mean):
                 destination.copy_(mean)
                 return []

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from gasloc_lightning.algorithm.codecs import build_codec
+from gasloc_lightning.algorithm.round import EncodedMean
 from gasloc_lightning.algorithm.two_level import TwoLevelRound, TwoLevelRule
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 from gasloc_lightning.sim.rounds import WorkerClocks
@@ -99,7 +100,9 @@ class TwoLevelRounds:
         u = self.round.cross_message()  # (n, P): identical rows inside a region (p with the delayed crossing)
         destination = self.round.cross_destination
         workers = u.shape[0]
-        if self.rule.cross_mean:
+        if self.rule.cross_mean and self._codec is not None:
+            self._encoded_mean(u, destination, numel)
+        elif self.rule.cross_mean:
             destination.copy_(u.sum(dim=0).div_(workers))
             self.bytes_cross += ring_all_reduce_bytes(numel * _FLOAT32, workers)
             if self.rule.cross_overlap:
@@ -180,6 +183,30 @@ class TwoLevelRounds:
         for i, row in peers.items():
             self.bytes_cross[i] += len(row) * wire.shape[1]
         return wire.shape[1] / chunk
+
+    def _encoded_mean(self, u: Tensor, destination: Tensor, numel: int) -> None:
+        """Hierarchical DiLoCo's quantized crossing (regions of equal sizes m): rank l averages shard l of u - phi (phi,
+        the last mean, is the destination and the same on every row) with rank l of every other region by DiLoCo's
+        quantized all-reduce (:class:`EncodedMean`, ranks in rank order, as a process group orders them), adds phi
+        back, and its region gathers the shards. The clock charges an all-reduce of the model at the wire's bytes per
+        element (its in-region phases at that size too, on the fast links)."""
+        workers = u.shape[0]
+        m, r = self.regions.sizes[0], self.regions.num_regions
+        chunk = math.ceil(numel / m)
+        padded = torch.zeros(workers, m * chunk, dtype=torch.float32, device=u.device)
+        torch.sub(u, destination, out=padded[:, :numel])
+        base = torch.zeros(m * chunk, dtype=torch.float32, device=u.device)
+        base[:numel].copy_(destination[0])
+        encoded = EncodedMean(self.topology.cross_codec, chunk, r)
+        mean = torch.empty(m, chunk, dtype=torch.float32, device=u.device)
+        for local in range(m):
+            column = sorted(int(members[local]) for members in self._members)
+            shards = padded.view(workers, m, chunk)[column, local]  # (r, chunk), in rank order
+            torch.add(encoded.mean(shards), base.view(m, chunk)[local], out=mean[local])
+        destination.copy_(mean.view(-1)[:numel].expand(workers, numel))
+        self.bytes_cross += 2 * (r - 1) * encoded.chunk_wire
+        self.clocks.all_reduce(list(range(workers)), element_size=encoded.chunk_wire / encoded.chunk)
+        self._all_gather(numel)
 
     def _shard_fraction(self, peers: dict[int, dict[int, float]]) -> dict[int, float]:
         """The share of the model each paired rank carries: 1 / (ranks paired between its two regions)."""

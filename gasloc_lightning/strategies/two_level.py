@@ -105,7 +105,8 @@ class TwoLevelStrategy(LocalStepsStrategy):
         self._round = TwoLevelRound(params, rule=self._rule, num_regions=self._topology.regions.num_regions)
         if self.world_size > 1 and self._regions is None:  # new_group is a collective: once per process
             self._regions = RegionTransport(self._topology.regions, self.global_rank, delayed=self._rule.cross_overlap,
-                                            timeout=self._collective_timeout, codec=self._topology.cross_codec)
+                                            timeout=self._collective_timeout, codec=self._topology.cross_codec,
+                                            cross_mean=self._rule.cross_mean)
 
     @override
     @torch.no_grad()
@@ -124,8 +125,9 @@ class TwoLevelStrategy(LocalStepsStrategy):
             peers = None if self._rule.cross_mean else self._topology.cross_peers(self.global_rank, self.round_index)
             if self._rule.cross_overlap:
                 self._in_flight = regions.post_cross(u, peers)
-            else:
-                for peer in regions.land_cross(regions.post_cross(u, peers), round_.cross_destination):
+            else:  # a quantized mean averages the change since the last mean (the cross step's round start)
+                posted = regions.post_cross(u, peers, reference=round_.cross.round_start)
+                for peer in regions.land_cross(posted, round_.cross_destination):
                     self._guard.reject(peer, self._where())
             params.copy_(round_.cross_finish())
         self.layout.scatter(message)
