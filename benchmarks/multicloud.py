@@ -7,7 +7,12 @@ For each scenario (a network preset scaled to n workers) and each method, on equ
   ``streaming_diloco`` (4 fragments, overlap, int4 pseudo-gradients), and GASLoC's best forms:
   ``gasloc_one_peer`` (overlap), ``gasloc_bw_spread`` (bandwidth-aware spread schedule, overlap),
   ``gasloc_compressed`` (one_peer, overlap, int8 or int4 messages) and ``gasloc_streamed`` (one_peer,
-  4 fragments, each exchange under one step of compute).
+  4 fragments, each exchange under one step of compute). Across regions (issue 31): ``hierarchical`` (hierarchical
+  DiLoCo: an exact mean inside each region every round, and across regions every K rounds, waited, delayed or
+  through torchft's int4 quantized all-reduce), ``sparseloco`` (top-k 1% at 2 bits with error feedback) and
+  ``two_level`` (two-level GASLoC: the delayed, int4, shard-parallel gossip between regions).
+- **The DiLoCo family** (plain, Streaming, hierarchical, SparseLoCo): each held-out seed also gives every method's
+  time over the fastest family member's on that seed (``family_ratios``), the ratio issue 31's map is made of.
 - **Protocol.** Each method's outer step (eta, gamma) and, where it has a choice, its codec are tuned
   on the tuning seed (0) by the metric below; the chosen configuration then runs on the held-out seeds
   (1 and 2), and only those are reported.
@@ -19,6 +24,12 @@ For each scenario (a network preset scaled to n workers) and each method, on equ
   jitter), each configuration and seed runs once, timed on every such scenario (``sim.also_networks``);
   preemption (churn) and the bandwidth-aware schedule (drawn from the clusters) run per scenario. Under
   preemption GASLoC's overlapped forms run without overlap (the simulator refuses overlap with churn).
+- **H in the grid.** ``--inner-steps-grid 10 20 50`` crosses every method's grid with those H (labels ``H=20,...``);
+  each run validates at its own round ends (every H steps: a consensus evaluation is a collective, so no method
+  is charged one mid-round). Without it every method runs ``--inner-steps``.
+- **Regions.** Scenarios that differ only by the clock share runs; two-level methods (their regions come from
+  the network's sites) share them only between scenarios of one site layout (``SITE_LAYOUT``: two_clusters at
+  10 Gbit/s, 1 Gbit/s and 100 Mbit/s share; many_sites' three bandwidths share).
 - **Large n.** ``--tuned-from 64`` skips the tuning and runs the held-out seeds with the configurations
   chosen at 64 workers (the tables say so); ``--methods`` runs a subset (plain DiLoCo, the reference, always
   runs; the tables name the methods left out).
@@ -55,7 +66,9 @@ from sim_runs import SimRunError, run_sim, slug, time_to_reach
 from gasloc_lightning.utils.progress import ScriptProgress
 from gasloc_lightning.utils.records import write_json_atomically
 
-SCENARIOS = ("two_clusters", "cloud_mix", "many_sites", "jitter", "preemption")
+SCENARIOS = ("two_clusters", "cloud_mix", "many_sites", "jitter", "preemption",
+             # issue 31's bandwidth sweep across regions (only the links between sites differ)
+             "two_clusters_10g", "two_clusters_100m", "many_sites_fast", "many_sites_slow")
 TARGET_STEPS_SHARE = 1.0 / 1.5  # the target is plain DiLoCo's loss at 2/3 of every run's steps
 
 
@@ -74,6 +87,7 @@ def _outer_grid(points: tuple[tuple[float, float], ...]) -> dict[str, tuple[str,
 
 
 _DILOCO_OUTER = _outer_grid(((1.0, 0.3), (0.7, 0.5), (0.7, 0.9)))
+_REGION_OUTER = _outer_grid(((0.7, 0.9), (0.7, 0.5)))  # the region step's (DiLoCo's inside a region)
 _GASLOC_OUTER = _outer_grid(((0.7, 0.5), (0.7, 0.7), (1.0, 0.3)))
 _ONE_PEER = ("strategy=gasloc", "topology=one_peer")
 
@@ -95,10 +109,28 @@ METHODS = {
                                 "overlap=true"), _GASLOC_OUTER),
     "gasloc_compressed": Method((*_ONE_PEER, "overlap=true"), _codec_grid(_GASLOC_OUTER)),
     "gasloc_streamed": Method((*_ONE_PEER, "strategy.fragments=4", "strategy.fragment_sync_delay=1"), _GASLOC_OUTER),
+    # hierarchical DiLoCo (strategy=gasloc: gasloc-sim runs the two-level round from the topology): its crossing
+    # waited in float32, delayed (beta 0.5), or through torchft's int4 quantized all-reduce; K crossings apart
+    "hierarchical": Method(("strategy=gasloc", "topology=hierarchical"), {
+        f"K={k},{form},{label}": (f"topology.cross_every={k}", *extra, *outer)
+        for k in (2, 4, 8) for form, extra in (("f32", ()), ("delayed", ("topology.cross_overlap=true",)),
+                                               ("int4", ("topology.cross_codec=int4",)))
+        for label, outer in list(_REGION_OUTER.items())[:1]}),
+    "sparseloco": Method(("strategy=sparseloco",), {f"eta={eta}": (f"strategy.outer_lr={eta}",) for eta in (2.0, 3.0)}),
+    # two-level GASLoC: the delayed, shard-parallel gossip between regions (beta 0.5, gamma_g 0), int4 across
+    "two_level": Method(("strategy=gasloc", "topology=two_level", "topology.cross_overlap=true"), {
+        f"K={k},{codec},{label}": (f"topology.cross_every={k}", f"topology.cross_codec={codec}", *outer)
+        for k in (2, 4, 8) for codec in ("int4", "int8") for label, outer in list(_REGION_OUTER.items())[:1]}),
 }
+DILOCO_FAMILY = ("diloco", "streaming_diloco", "hierarchical", "sparseloco")  # issue 31's ratios are to the best
+REGION_SHAPED = ("hierarchical", "two_level")  # their regions come from the network's sites
+# Which scenarios have the same sites (and so the same regions): two-level runs are shared only within one layout.
+SITE_LAYOUT = {"two_clusters": "two_clusters", "two_clusters_10g": "two_clusters", "two_clusters_100m": "two_clusters",
+               "many_sites": "many_sites", "many_sites_fast": "many_sites", "many_sites_slow": "many_sites"}
 
 
-CLOCK_ONLY = ("two_clusters", "cloud_mix", "many_sites", "jitter")  # the network changes only the clock there
+CLOCK_ONLY = ("two_clusters", "cloud_mix", "many_sites", "jitter",  # the network changes only the clock there
+              "two_clusters_10g", "two_clusters_100m", "many_sites_fast", "many_sites_slow")
 GASLOC_FORMS = ("gasloc_one_peer", "gasloc_bw_spread", "gasloc_compressed", "gasloc_streamed")
 NOISY = ("jitter", "preemption")  # their noise or churn follows the run's seed: each held-out seed is a draw
 MIN_NOISE_DRAWS = 3
@@ -149,21 +181,34 @@ class SharedRuns:
             self.progress.done()
         return json.loads((self.folder / f"{name}.json").read_text())  # as read back on a resume: lists, not tuples
 
+    def sharing(self, scenario: str, method: str) -> tuple[str, ...]:
+        """The scenarios whose runs of ``method`` are ``scenario``'s: every clock-only one, or for a two-level
+        method those of the same site layout; () where it runs alone (churn, the cluster-shaped schedule)."""
+        if scenario not in self.together or method in CLUSTER_SHAPED:
+            return ()
+        if method in REGION_SHAPED:
+            layout = SITE_LAYOUT.get(scenario)
+            group = tuple(name for name in self.together if layout is not None and SITE_LAYOUT.get(name) == layout)
+        else:
+            group = self.together
+        return group if len(group) > 1 else ()
+
     def shares(self, scenario: str, method: str) -> bool:
-        return scenario in self.together and len(self.together) > 1 and method not in CLUSTER_SHAPED
+        return bool(self.sharing(scenario, method))
 
     def run(self, scenario: str, method: str, overrides: list[str], name: str) -> dict:
         """``overrides`` without the network: this scenario's run (its ``trace`` on this scenario's clock)."""
-        if not self.shares(scenario, method):
+        group = self.sharing(scenario, method)
+        if not group:
             return self._run_sim([*overrides, *scenario_overrides(scenario)], slug(f"{scenario}_{name}"))
-        key = tuple(overrides)
+        key = (group, tuple(overrides))
         if key not in self._runs:
-            first, *others = self.together
+            first, *others = group
             also = f"sim.also_networks=[{','.join(others)}]"
             self._runs[key] = self._run_sim([*overrides, *scenario_overrides(first), also],
-                                            slug(f"shared_{'_'.join(self.together)}_{name}"))
+                                            slug(f"shared_{'_'.join(group)}_{name}"))
         run = self._runs[key]
-        trace = run["trace"] if scenario == self.together[0] else run["also_traces"][scenario]
+        trace = run["trace"] if scenario == group[0] else run["also_traces"][scenario]
         return {**run, "trace": trace}
 
 
@@ -201,18 +246,33 @@ class Scenario:
     would have no owner): GASLoC's overlapped forms run without it there."""
 
     def __init__(self, name: str, workers: int, steps: int, inner_steps: int, runs: SharedRuns,
-                 methods: tuple[str, ...] = tuple(METHODS)):
+                 methods: tuple[str, ...] = tuple(METHODS), inner_steps_grid: tuple[int, ...] = ()):
         self.name, self.runs, self.inner_steps = name, runs, inner_steps
-        self.methods = methods
+        self.methods, self.inner_steps_grid = methods, tuple(inner_steps_grid)
         self.steps = 3 * steps // 2
         self.target_step = steps
         self.base = [f"sim.workers={workers}", f"trainer.max_steps={self.steps}",
                      f"trainer.val_check_interval={inner_steps}"]
 
+    def grid(self, method: str) -> dict[str, tuple[str, ...]]:
+        """``method``'s grid (label -> overrides; ``{"default": ()}`` without one), crossed with
+        ``inner_steps_grid`` (labels ``H=20,...``) unless the method fixes its own H (DDP)."""
+        spec = METHODS[method]
+        grid = spec.grid or {"default": ()}
+        if not self.inner_steps_grid or spec.inner_steps is not None:
+            return dict(grid)
+        return {f"H={h},{label}" if spec.grid else f"H={h}": (f"inner_steps={h}", *extra)
+                for h in self.inner_steps_grid for label, extra in grid.items()}
+
     def run(self, method: str, overrides: tuple[str, ...], seed: int, label: str) -> dict:
         spec = METHODS[method]
-        inner_steps = f"inner_steps={spec.inner_steps or self.inner_steps}"
         fixed = [o for o in spec.overrides if not (self.name == "preemption" and o == "overlap=true")]
+        own = [o.split("=", 1)[1] for o in overrides if o.startswith("inner_steps=")]
+        if own:  # a grid point's own H: validated at its own round ends (a consensus evaluation is a collective)
+            base = [*self.base[:2], f"trainer.val_check_interval={own[0]}"]
+            return self.runs.run(self.name, method, [*base, *fixed, *overrides, f"seed={seed}"],
+                                 f"{method}_{label}_seed{seed}")
+        inner_steps = f"inner_steps={spec.inner_steps or self.inner_steps}"
         return self.runs.run(self.name, method, [*self.base, inner_steps, *fixed, *overrides, f"seed={seed}"],
                              f"{method}_{label}_seed{seed}")
 
@@ -245,9 +305,10 @@ class Scenario:
             target = tuple(given["diloco"]["target"]) if "target" in given["diloco"] else \
                 self.target(self.run("diloco", tuple(given["diloco"]["overrides"]), seed, run_label(given["diloco"])))
         else:
-            diloco = {label: self.run("diloco", extra, seed, label) for label, extra in METHODS["diloco"].grid.items()}
+            diloco_grid = self.grid("diloco")
+            diloco = {label: self.run("diloco", extra, seed, label) for label, extra in diloco_grid.items()}
             best = min(diloco, key=lambda label: self.target(diloco[label])[0])
-            chosen["diloco"] = {"label": best, "overrides": METHODS["diloco"].grid[best],
+            chosen["diloco"] = {"label": best, "overrides": diloco_grid[best],
                                 "losses": {label: self.target(run)[0] for label, run in diloco.items()}}
             target = self.target(diloco[best])
         for method in self.methods:
@@ -257,17 +318,21 @@ class Scenario:
                 chosen[method] = given[method]
                 continue
             spec = METHODS[method]
-            grid = {label: extra for label, extra in (spec.grid or {"default": ()}).items()
+            grid = {label: extra for label, extra in self.grid(method).items()
                     if outer is None or not spec.grid or label.endswith(outer)}
-            try:
-                scores = {label: self.score(self.run(method, extra, seed, label), target)
-                          for label, extra in grid.items()}
-            except SimRunError as error:  # a method the scenario cannot run (it says why): reported, not fatal
-                chosen[method] = {"error": error.reason}
+            scores, errors = {}, {}
+            for label, extra in grid.items():
+                try:
+                    scores[label] = self.score(self.run(method, extra, seed, label), target)
+                except SimRunError as error:  # a point the scenario cannot run (it says why): reported, not fatal
+                    errors[label] = error.reason
+            if not scores:
+                chosen[method] = {"error": next(iter(errors.values()))}
                 print(f"  {method}: cannot run here: {chosen[method]['error']}", flush=True)
                 continue
             label = min(scores, key=lambda k: tuning_key(scores[k]))
-            chosen[method] = {"label": label, "overrides": grid[label], "scores": scores}
+            chosen[method] = {"label": label, "overrides": grid[label], "scores": scores,
+                              **({"errors": errors} if errors else {})}
             print(f"  tuned {method}: {label}", flush=True)
         if "gasloc_best" in given:
             chosen["gasloc_best"] = given["gasloc_best"]
@@ -295,6 +360,8 @@ class Scenario:
                                                                  run_label(chosen[method]))
                 results[method]["seeds"][str(seed)] = {**self.score(run, target), "target_loss": target[0],
                                                        "diloco_time": target[1]}
+            _family_ratios([results[method]["seeds"][str(seed)] for method in runnable],
+                           [results[method]["seeds"][str(seed)] for method in runnable if method in DILOCO_FAMILY])
         for result in results.values():
             result |= _summary(list(result["seeds"].values()))
         return results
@@ -316,11 +383,26 @@ def best_form(chosen: dict[str, dict]) -> str | None:
     return min(scored, key=lambda form: tuning_key(scored[form])) if scored else None
 
 
+def _family_ratios(scores: list[dict], family: list[dict]) -> None:
+    """One seed: each score's ``family_ratio``, its time over the fastest DiLoCo-family method's (None where it, or
+    every family method, never reached the target)."""
+    times = [s["time_to_target"] for s in family if s["time_to_target"] is not None]
+    fastest = min(times) if times else None
+    for score in scores:
+        reached = score["time_to_target"]
+        score["family_ratio"] = None if reached is None or fastest is None else reached / fastest
+
+
+def _mean_of(values: list[float | None]) -> float | None:
+    """The mean, or None unless every seed has a value (one seed that never reached it is not averaged away)."""
+    return statistics.mean(values) if values and all(v is not None for v in values) else None
+
+
 def _summary(per_seed: list[dict]) -> dict:
     ratios = [s["ratio"] for s in per_seed]
-    reached = [r for r in ratios if r is not None]
-    return {"ratio_mean": statistics.mean(reached) if len(reached) == len(ratios) else None,
-            "ratios": ratios, "goodput_mean": statistics.mean(s["goodput"] for s in per_seed),
+    family = [s.get("family_ratio") for s in per_seed]
+    return {"ratio_mean": _mean_of(ratios), "ratios": ratios, "family_ratio_mean": _mean_of(family),
+            "family_ratios": family, "goodput_mean": statistics.mean(s["goodput"] for s in per_seed),
             "val_loss_mean": statistics.mean(s["val_loss"] for s in per_seed)}
 
 
@@ -342,7 +424,8 @@ def check_methods(methods: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(method for method in METHODS if method in methods)
 
 
-_PROTOCOL = ("steps", "target_step", "inner_steps", "tuning_seed", "held_out_seeds", "tuned_at_workers")
+_PROTOCOL = ("steps", "target_step", "inner_steps", "inner_steps_grid", "tuning_seed", "held_out_seeds",
+             "tuned_at_workers")
 
 
 _REFERENCE_RTOL = 1e-4  # real multi-process runs (n = 8) differ run to run in the last digits of a loss
@@ -365,7 +448,7 @@ def merged(previous: dict | None, current: dict, workers: int) -> dict:
     if previous is None:
         return current
     previous = {"tuned_at_workers": workers, **previous}  # records written before the key existed were tuned here
-    if any(previous.get(key) != current[key] for key in _PROTOCOL) or not _same_reference(previous, current):
+    if any(previous.get(key) != current.get(key) for key in _PROTOCOL) or not _same_reference(previous, current):
         print("  the previous record followed another protocol or reference: replaced", flush=True)
         return current
     kept = [method for method in previous.get("tuning", {}) if method in METHODS and method not in current["tuning"]]
@@ -424,7 +507,7 @@ def check_noise_draws(scenarios: tuple[str, ...], seeds: tuple[int, ...]) -> Non
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
         seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
         methods: tuple[str, ...] = tuple(METHODS), given: dict[str, dict] | None = None, outer: str | None = None,
-        forms: str = "all") -> None:
+        forms: str = "all", inner_steps_grid: tuple[int, ...] = ()) -> None:
     """Tune (or take ``--tuned-from``) and run the held-out seeds of every scenario; each scenario's record is
     written to ``<out>/multicloud_n<workers>.json`` as it ends and every run's trace to ``<out>/runs/n<workers>/``
     (a rerun reads the runs it finds there: the benchmark resumes where it stopped).
@@ -433,6 +516,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         given: ``{scenario: {method: tuning entry}}`` chosen elsewhere (``--given``), not rerun.
         outer: tune only the grid points of this outer step (``--outer``).
         forms: ``"best"``: of GASLoC's forms only the best one on the tuning seed runs the held-out seeds.
+        inner_steps_grid: the H every method's grid is crossed with (``--inner-steps-grid``; empty: ``inner_steps``).
     """
     methods = check_methods(methods)
     choices = None if tuned_from is None else tuned_choices(out, tuned_from, scenarios, methods, seeds, steps,
@@ -442,7 +526,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
     together, folder = tuple(name for name in scenarios if name in CLOCK_ONLY), out / "runs" / f"n{workers}"
 
     def session(runs: SharedRuns, name: str) -> tuple[Scenario, dict, dict, dict]:
-        scenario = Scenario(name, workers, steps, inner_steps, runs, methods)
+        scenario = Scenario(name, workers, steps, inner_steps, runs, methods, inner_steps_grid)
         if choices is None:
             protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
             chosen = scenario.tune(tuning_seed, (given or {}).get(name), outer)
@@ -463,6 +547,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
             print(f"{name} at n = {workers}", flush=True)
             scenario, protocol, chosen, results = session(runs, name)
             current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
+                       **({"inner_steps_grid": list(inner_steps_grid)} if inner_steps_grid else {}),
                        "held_out_seeds": list(seeds), "tuning": chosen,
                        "not_run": [method for method in METHODS if method not in methods], "results": results}
             # read again: another invocation (other scenarios, run alongside) may have written its own since
@@ -495,6 +580,8 @@ def markdown(out: Path) -> str:
     for record in _records(out):
         for name, scenario in record["scenarios"].items():
             seeds = ", ".join(map(str, scenario["held_out_seeds"]))
+            family = any(method in scenario["results"] for method in DILOCO_FAMILY if method not in ("diloco",
+                                                                                                 "streaming_diloco"))
             tuned_at = scenario.get("tuned_at_workers", record["workers"])
             where = "" if tuned_at == record["workers"] else f" at n = {tuned_at} (not retuned here)"
             lines += [f"### {name}, n = {record['workers']}", "",
@@ -505,13 +592,15 @@ def markdown(out: Path) -> str:
                       *([f"GASLoC's best form on seed {scenario['tuning_seed']}: {scenario['tuning']['gasloc_best']['form']}"
                          + (f" ({scenario['tuning']['gasloc_best']['given']})" if "given" in scenario['tuning']['gasloc_best']
                             else "") + "."] if "gasloc_best" in scenario["tuning"] else []),
-                      "", "| method | time / DiLoCo (mean) | per seed | goodput | final val loss | tuned |",
-                      "|---|---|---|---|---|---|"]
+                      "", "| method | time / DiLoCo (mean) | per seed | goodput | final val loss | tuned |"
+                      + (" time / best DiLoCo-family, per seed |" if family else ""),
+                      "|---|---|---|---|---|---|" + ("---|" if family else "")]
             for method, result in scenario["results"].items():
                 per_seed = ", ".join(_cell(r) for r in result["ratios"])
                 tuned = scenario["tuning"][method].get("label", "")
                 lines.append(f"| {method} | {_cell(result['ratio_mean'])} | {per_seed} | {result['goodput_mean']:.3f} "
-                             f"| {result['val_loss_mean']:.4f} | {tuned} |")
+                             f"| {result['val_loss_mean']:.4f} | {tuned} |"
+                             + (f" {', '.join(_cell(r) for r in result.get('family_ratios', []))} |" if family else ""))
             for method, chosen in scenario["tuning"].items():
                 if method in METHODS and method not in scenario["results"] and "error" not in chosen:
                     lines.append(f"| {method} | not run on the held-out seeds | | | | {chosen.get('label', '')} |")
@@ -564,6 +653,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--steps", type=int, default=60, help="plain DiLoCo's steps: the target (runs get 1.5x)")
     parser.add_argument("--inner-steps", type=int, default=10, help="H")
+    parser.add_argument("--inner-steps-grid", type=int, nargs="+", default=[], metavar="H",
+                        help="cross every method's grid with these H (issue 31's protocol: 10 20 50); each run "
+                             "validates at its own round ends")
     parser.add_argument("--tuning-seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
                         help="held-out seeds, reported (jitter and preemption: one noise draw each, at least 3)")
@@ -587,8 +679,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tuning-seed must not be one of the held-out --seeds")
     if args.tuned_from is not None and args.tuning_seed != parser.get_default("tuning_seed"):
         parser.error("--tuning-seed has no use with --tuned-from (the source's tuning seed is the one recorded)")
-    if args.steps < 2 * args.inner_steps or args.workers < 2:
-        parser.error("--steps must cover at least two rounds (2 x --inner-steps) and --workers must be >= 2")
+    if args.steps < 2 * max([args.inner_steps, *args.inner_steps_grid]) or args.workers < 2:
+        parser.error("--steps must cover at least two rounds of every H (2 x --inner-steps and of the "
+                     "--inner-steps-grid) and --workers must be >= 2")
+    if any(args.steps % h for h in args.inner_steps_grid):
+        parser.error("--steps must be a multiple of every H of --inner-steps-grid (the target is validated at a "
+                     "round's end)")
     if "diloco" not in args.methods:
         parser.error("--methods must include diloco: every ratio is to plain DiLoCo's time")
     if args.markdown:
@@ -598,7 +694,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.plot:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
                       tuple(args.seeds), args.out, args.tuned_from, tuple(args.methods),
-                      None if args.given is None else json.loads(args.given.read_text()), args.outer, args.forms)
+                      None if args.given is None else json.loads(args.given.read_text()), args.outer, args.forms,
+                      tuple(args.inner_steps_grid))
     plot(args.out)
 
 

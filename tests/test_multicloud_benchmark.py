@@ -33,15 +33,24 @@ mc = _load()
 @pytest.mark.parametrize("scenario", mc.SCENARIOS)
 @pytest.mark.parametrize("workers", [64])
 def test_every_method_composes_in_every_scenario(scenario, workers):
-    """Every method's fixed overrides in every scenario, and (the network and a grid point's strategy keys being
-    separate nodes) every grid point in the first scenario."""
+    """Every scenario's network with plain DiLoCo; in the first scenario every method's fixed overrides, and each of
+    its grid points (and H) parsed as Hydra parses them, every key one that config has (the network and the strategy
+    keys are separate nodes: a composition per point, about 100 with H, cost a minute and checked no more)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parser = OverridesParser.create()
+    methods = mc.METHODS if scenario == mc.SCENARIOS[0] else {"diloco": mc.METHODS["diloco"]}
+    grid_of = mc.Scenario(scenario, workers, 600, 10, runs=None, inner_steps_grid=(10, 20, 50)).grid
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        for name, method in mc.METHODS.items():
-            grid = (method.grid or {"default": ()}).values() if scenario == mc.SCENARIOS[0] else [()]
-            for extra in grid:
-                overrides = [f"sim.workers={workers}", *mc.scenario_overrides(scenario), *method.overrides, *extra]
-                cfg = compose("sim/app", overrides=["experiment=demo", *overrides])
-                assert cfg.sim.workers == workers, name
+        for name, method in methods.items():
+            overrides = [f"sim.workers={workers}", *mc.scenario_overrides(scenario), *method.overrides]
+            cfg = compose("sim/app", overrides=["experiment=demo", *overrides])
+            assert cfg.sim.workers == workers, name
+            for label, extra in grid_of(name).items():
+                for override in parser.parse_overrides(list(extra)):
+                    key = override.key_or_group
+                    assert OmegaConf.select(cfg, key, default="<missing>") != "<missing>", f"{name} {label}: {key}"
     streaming = mc.METHODS["streaming_diloco"]
     assert {"strategy.fragments=4", "strategy.overlap=true"} <= set(streaming.overrides)
     # its codec is tuned as GASLoC's compressed form's is: the same codecs, the first two outer points of its grid
@@ -105,15 +114,61 @@ def test_scenarios_that_differ_only_by_the_clock_share_one_run_per_configuration
 
     monkeypatch.setattr(mc, "run_sim", run)
     mc.main(["--workers", "4", "--scenarios", "two_clusters", "jitter", "--steps", "40", "--out", str(tmp_path)])
-    assert all("network=jitter" not in call for call in calls if "topology=bandwidth_aware" not in call)
+    per_scenario = ("topology=bandwidth_aware", "topology=hierarchical", "topology=two_level")  # jitter has no sites
+    assert all("network=jitter" not in call for call in calls if not any(t in call for t in per_scenario))
     shared = [call for call in calls if "sim.also_networks=[jitter]" in call]
     assert shared and len(shared) == len({tuple(call) for call in shared})  # each configuration once
-    assert len([c for c in calls if "topology=bandwidth_aware" in c and "network=jitter" in c]) == 1  # its own
+    own = [c for c in calls if "topology=bandwidth_aware" in c and "network=jitter" in c]  # each point tried, refused
+    assert len(own) == len(mc.METHODS["gasloc_bw_spread"].grid)
     record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]
     for name in ("two_clusters", "jitter"):
         assert record[name]["results"]["gasloc_one_peer"]["ratios"] == pytest.approx([0.5, 0.5, 0.5])
         targets = [s["diloco_time"] for s in record[name]["results"]["diloco"]["seeds"].values()]
         assert targets == pytest.approx([40 * speed["network=two_clusters" if name == "two_clusters" else name]] * 3)
+
+
+def test_two_level_methods_share_runs_only_between_scenarios_of_one_site_layout_and_report_the_family_ratio(
+        tmp_path, monkeypatch, capsys):
+    """two_clusters at 1 and 10 Gbit/s and jitter, H in the grid: a two-level run is shared by the two two_clusters
+    (their sites, hence regions, are the same) and runs alone on jitter (no sites: it cannot run there, and says
+    so); each run validates at its own round ends; every held-out seed gives each method's time over the fastest
+    DiLoCo-family method's."""
+    calls = []
+
+    def run(overrides: list[str], out: Path) -> dict:
+        calls.append(overrides)
+        if "network=jitter" in overrides and any(o.startswith("topology=") and "one_peer" not in o for o in overrides):
+            raise mc.SimRunError("gasloc-sim exited 1: ...\nTopologyError('two_level needs regions')\nfull_key: topology")
+        result = _stand_in_run(overrides, out)
+        if "topology=two_level" in overrides:  # the two-level method: a third faster than DiLoCo's time per step
+            result["trace"] = [(step, loss, time * 2 / 3) for step, loss, time in result["trace"]]
+        also = [o for o in overrides if o.startswith("sim.also_networks=")]
+        names = also[0].split("=", 1)[1].strip("[]").split(",") if also else []
+        return {**result, "also_traces": {name: result["trace"] for name in names}}
+
+    monkeypatch.setattr(mc, "run_sim", run)
+    mc.main(["--workers", "4", "--scenarios", "two_clusters", "two_clusters_10g", "jitter", "--steps", "40",
+             "--inner-steps-grid", "10", "20", "--methods", "diloco", "hierarchical", "two_level",
+             "--out", str(tmp_path)])
+    two_level = [c for c in calls if "topology=two_level" in c]
+    assert two_level and all("sim.also_networks=[two_clusters_10g]" in c and "network=two_clusters" in c
+                             for c in two_level if "network=jitter" not in c)
+    assert any("network=jitter" in c for c in two_level)  # asked there on its own, and refused
+    plain = [c for c in calls if "strategy=diloco" in c]
+    assert plain and all("sim.also_networks=[two_clusters_10g,jitter]" in c for c in plain)
+    for call in calls:  # H in the grid; validated at each run's own round ends
+        h = next(o for o in call if o.startswith("inner_steps=")).split("=")[1]
+        assert f"trainer.val_check_interval={h}" in call and call.count(f"inner_steps={h}") == 1, call
+    record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]
+    assert record["two_clusters"]["inner_steps_grid"] == [10, 20]
+    assert record["jitter"]["tuning"]["two_level"]["error"] == "TopologyError('two_level needs regions')"
+    results = record["two_clusters_10g"]["results"]
+    assert results["two_level"]["family_ratios"] == pytest.approx([2 / 3] * 3)  # over DiLoCo and hierarchical's
+    assert results["diloco"]["family_ratios"] == pytest.approx([1.0] * 3)
+    assert record["two_clusters"]["tuning"]["two_level"]["label"].startswith("H=")
+    mc.main(["--markdown", "--out", str(tmp_path)])
+    table = capsys.readouterr().out.split("### two_clusters_10g, n = 4", 1)[1].split("###")[0]
+    assert "time / best DiLoCo-family, per seed |" in table and "| two_level |" in table and "0.67, 0.67, 0.67 |" in table
 
 
 def test_a_size_can_reuse_the_configurations_tuned_at_another(tmp_path, monkeypatch):
