@@ -110,11 +110,14 @@ METHODS = {
     "gasloc_compressed": Method((*_ONE_PEER, "overlap=true"), _codec_grid(_GASLOC_OUTER)),
     "gasloc_streamed": Method((*_ONE_PEER, "strategy.fragments=4", "strategy.fragment_sync_delay=1"), _GASLOC_OUTER),
     # hierarchical DiLoCo (strategy=gasloc: gasloc-sim runs the two-level round from the topology): its crossing
-    # waited in float32, delayed (beta 0.5), or through torchft's int4 quantized all-reduce; K crossings apart
+    # waited in float32, delayed (beta 0.5), through torchft's int4 quantized all-reduce, or both (DiLoCoX's
+    # delayed compressed step); K rounds between crossings
     "hierarchical": Method(("strategy=gasloc", "topology=hierarchical"), {
         f"K={k},{form},{label}": (f"topology.cross_every={k}", *extra, *outer)
         for k in (2, 4, 8) for form, extra in (("f32", ()), ("delayed", ("topology.cross_overlap=true",)),
-                                               ("int4", ("topology.cross_codec=int4",)))
+                                               ("int4", ("topology.cross_codec=int4",)),
+                                               ("delayed_int4", ("topology.cross_overlap=true",
+                                                                 "topology.cross_codec=int4")))
         for label, outer in list(_REGION_OUTER.items())[:1]}),
     "sparseloco": Method(("strategy=sparseloco",), {f"eta={eta}": (f"strategy.outer_lr={eta}",) for eta in (2.0, 3.0)}),
     # two-level GASLoC: the delayed, shard-parallel gossip between regions (beta 0.5, gamma_g 0), int4 across

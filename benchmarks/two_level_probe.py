@@ -49,9 +49,13 @@ METHODS = {
     # shard): the baseline with a lossy crossing, as two_level_delayed has one (waited on: not delayed)
     "hierarchical_int4": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
                           "strategy.outer_momentum=0.9", "topology.cross_codec=int4"],
+    # and delayed (beta 0.5): DiLoCoX's delayed compressed outer step across (gasloc-sim only)
+    "hierarchical_delayed_int4": ["strategy=gasloc", "topology=hierarchical", "strategy.outer_lr=0.7",
+                                  "strategy.outer_momentum=0.9", "topology.cross_codec=int4",
+                                  "topology.cross_overlap=true"],
 }
 TWO_LEVEL = ("two_level", "hierarchical", "two_level_delayed", "hierarchical_delayed", "two_level_delayed_f32",
-             "hierarchical_int4")
+             "hierarchical_int4", "hierarchical_delayed_int4")
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> dict:
@@ -74,7 +78,8 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict:
             "bytes_cross": float(last.get("comm/bytes_cross") or 0.0), "bytes_sent": float(last["comm/bytes_sent"])}
 
 
-DILOCO_FAMILY = ("diloco", "streaming_diloco", "hierarchical", "hierarchical_delayed", "hierarchical_int4")
+DILOCO_FAMILY = ("diloco", "streaming_diloco", "hierarchical", "hierarchical_delayed", "hierarchical_int4",
+                 "hierarchical_delayed_int4")
 
 
 def run_map(method: str, seed: int, args: argparse.Namespace) -> dict:

@@ -407,3 +407,6 @@ def test_the_two_level_strategy_takes_only_a_two_level_topology_and_checks_its_r
     assert (strategy.outer_lr, strategy.outer_momentum, strategy.cross_mean) == (0.5, 0.9, True)
     with pytest.raises(Exception, match="world_size 8"):
         strategy.check_configuration(8)
+    with pytest.raises(ValueError, match="gasloc-sim only"):  # its quantized mean is blocking in the strategy
+        TwoLevelStrategy(topology=TwoLevelTopology([0, 0, 1, 1], region_topology="complete", cross_overlap=True,
+                                                   cross_codec="int8"))

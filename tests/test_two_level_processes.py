@@ -53,7 +53,7 @@ def _rank(rank: int, world_size: int, port: int, region_topology: str, delayed: 
                 if delayed:
                     pending = transport.post_cross(u, peers)
                 elif peers is None:  # a quantized mean averages the change since the last one (the round start)
-                    posted = transport.post_cross(u, None, reference=round_.cross.round_start)
+                    posted = transport.post_cross(u, None, reference=round_.last_mix)
                     transport.land_cross(posted, round_.cross_destination)
                 else:
                     transport.cross_mix(u, round_.cross_destination, peers)

@@ -135,7 +135,8 @@ class TwoLevelRound:
         self._message = torch.empty_like(self.cross.round_start)
         if rule.cross_overlap:  # p posted, the mix of the posted p that lands, and beta C not yet applied
             self._posted = torch.empty_like(self._message)
-            self._arrived = torch.empty_like(self._message)
+            # the last mix that landed (the start before any): what a quantized delayed mean measures changes from
+            self._arrived = self.cross.round_start.clone()
             self.correction = torch.zeros_like(self._message)
         self.in_flight = False  # a posted cross exchange has not landed (cross_overlap)
 
@@ -168,6 +169,13 @@ class TwoLevelRound:
         torch.add(u, self.correction, out=self._posted)
         self.correction.zero_()
         return self._posted
+
+    @property
+    def last_mix(self) -> Tensor:
+        """The delayed crossing's last landed mix (the starting point before any), or without the delay phi, the
+        region point after the last crossing: the same on every rank of a mean, the reference a quantized mean
+        averages changes from (read before the engine writes :attr:`cross_destination`)."""
+        return self._arrived if self.rule.cross_overlap else self.cross.round_start
 
     @property
     def cross_destination(self) -> Tensor:
@@ -217,6 +225,7 @@ class TwoLevelRound:
                  "cross": self.cross.state_dict()}
         if self.rule.cross_overlap:
             state["correction"] = self.correction.clone()
+            state["last_mix"] = self._arrived.clone()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -228,4 +237,6 @@ class TwoLevelRound:
         self.cross.load_state_dict(state["cross"])
         if self.rule.cross_overlap:  # saved without the delayed crossing: nothing was pending, a zero correction
             self.correction.copy_(state["correction"]) if "correction" in state else self.correction.zero_()
+            # saved before the last mix was kept: the region point (a quantized mean's next changes are from there)
+            self._arrived.copy_(state["last_mix"] if "last_mix" in state else state["region_start"])
         self.in_flight = False

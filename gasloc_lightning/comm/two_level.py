@@ -91,6 +91,10 @@ class RegionTransport:
         self._codec = None if codec == "float32" else build_codec(codec)
         self._column = None  # rank l of every region: the quantized world mean's group
         if cross_mean and self._codec is not None:
+            if delayed:
+                raise ValueError(f"codec={codec!r} with the delayed crossing and the world mean (hierarchical DiLoCo): "
+                                 "its quantized mean is blocking here; gasloc-sim runs the delayed form, or use "
+                                 "cross_overlap=false here")
             columns = [dist.new_group([members[local] for members in regions.members]) for local in range(self.size)]
             self._column = columns[self.local_index]
         self._encoded: EncodedAllReduce | None = None

@@ -101,7 +101,7 @@ class TwoLevelRounds:
         destination = self.round.cross_destination
         workers = u.shape[0]
         if self.rule.cross_mean and self._codec is not None:
-            self._encoded_mean(u, destination, numel)
+            self._encoded_mean(u, destination, numel)  # the destination holds the last mean (its reference) until then
         elif self.rule.cross_mean:
             destination.copy_(u.sum(dim=0).div_(workers))
             self.bytes_cross += ring_all_reduce_bytes(numel * _FLOAT32, workers)
@@ -120,6 +120,8 @@ class TwoLevelRounds:
         workers = list(range(self.round.region_start.shape[0]))
         if self.rule.cross_mean:
             self.clocks.wait_until(workers, self._mean_ends)
+            if self._codec is not None:
+                self._all_gather(numel)
         else:
             self.clocks.complete()
             self._all_gather(numel)
@@ -205,8 +207,12 @@ class TwoLevelRounds:
             torch.add(encoded.mean(shards), base.view(m, chunk)[local], out=mean[local])
         destination.copy_(mean.view(-1)[:numel].expand(workers, numel))
         self.bytes_cross += 2 * (r - 1) * encoded.chunk_wire
-        self.clocks.all_reduce(list(range(workers)), element_size=encoded.chunk_wire / encoded.chunk)
-        self._all_gather(numel)
+        element_size = encoded.chunk_wire / encoded.chunk
+        if self.rule.cross_overlap:  # DiLoCoX's delayed compressed step: landed (and gathered) at the next crossing
+            self._mean_ends = self.clocks.all_reduce_posted(list(range(workers)), element_size, 1.0)
+        else:
+            self.clocks.all_reduce(list(range(workers)), element_size=element_size)
+            self._all_gather(numel)
 
     def _shard_fraction(self, peers: dict[int, dict[int, float]]) -> dict[int, float]:
         """The share of the model each paired rank carries: 1 / (ranks paired between its two regions)."""

@@ -47,6 +47,10 @@ class TwoLevelStrategy(LocalStepsStrategy):
         super().__init__(inner_steps=inner_steps, **kwargs)
         self._topology = topology
         self._rule = topology.rule(region_lr=outer_lr, region_momentum=outer_momentum)
+        if self._rule.cross_mean and self._rule.cross_overlap and topology.cross_codec != "float32":
+            raise ValueError(f"topology.cross_codec={topology.cross_codec!r} with cross_overlap=true on hierarchical "
+                             "DiLoCo (DiLoCoX's delayed compressed step) runs in gasloc-sim only: here its quantized "
+                             "mean is blocking. Use cross_overlap=false, a float32 mean, or gasloc-sim")
         self._round: TwoLevelRound | None = None
         self._regions: RegionTransport | None = None
         self._in_flight: PendingCross | None = None  # the delayed crossing's exchange, landed at the next crossing
@@ -126,7 +130,7 @@ class TwoLevelStrategy(LocalStepsStrategy):
             if self._rule.cross_overlap:
                 self._in_flight = regions.post_cross(u, peers)
             else:  # a quantized mean averages the change since the last mean (the cross step's round start)
-                posted = regions.post_cross(u, peers, reference=round_.cross.round_start)
+                posted = regions.post_cross(u, peers, reference=round_.last_mix)
                 for peer in regions.land_cross(posted, round_.cross_destination):
                     self._guard.reject(peer, self._where())
             params.copy_(round_.cross_finish())

@@ -187,8 +187,8 @@ class TwoLevelTopology(Topology):
             ``int2``; :mod:`~gasloc_lightning.algorithm.codecs`): a lossy one mixes the decoded shards and keeps
             each rank's own rounding residual (the mean over ranks is kept). Hierarchical DiLoCo (``complete``)
             averages each shard's change since the last mean by a quantized all-reduce, DiLoCo's, among rank l
-            of every region (not with the delayed crossing, nor int2). Regions of equal sizes only; the all-gather
-            inside a region stays float32.
+            of every region (not int2; delayed: gasloc-sim only, the strategy refuses it). Regions of equal
+            sizes only; the all-gather inside a region stays float32.
         seed: the seed of the default region topology (a given topology keeps its own).
     """
 
@@ -224,11 +224,6 @@ class TwoLevelTopology(Topology):
             raise TopologyError(f"cross_codec={cross_codec!r} is sparse (top-k): the crossing takes dense codecs "
                                 "(int8, int4, ...) for now")
         if cross_codec != "float32":
-            if self._region_topology.uses_all_reduce and cross_overlap:
-                raise TopologyError(f"cross_codec={cross_codec!r} with the delayed crossing: hierarchical DiLoCo's "
-                                    "quantized mean is waited on where it is taken (its deltas are from the last "
-                                    "mean, which the delayed crossing has not landed yet); use cross_overlap=false "
-                                    "or a float32 mean")
             if self._region_topology.uses_all_reduce and cross_codec == "int2":
                 raise TopologyError(f"cross_codec={cross_codec!r}: int2 has no zero level, so a quantized mean moves "
                                     "every parameter that did not move; use int4 or int8 for hierarchical DiLoCo")
