@@ -130,9 +130,9 @@ def test_a_flap_during_a_transfer_delays_it_and_the_exchange_still_completes(tmp
         schedule = FaultSchedule(parse_faults(["flap:1@1:3"], 2), lab, flap_period_s=0.4, report=lambda line: None)
         stop = threading.Event()
 
-        def flapper() -> None:  # once both ranks exchange (rank 0 listens, then rank 1 imports torch and joins)
-            _wait(lambda: stop.is_set() or (folder / "gossip.port").exists(), 60)
-            stop.wait(6.0)
+        def flapper() -> None:  # once both ranks exchange: rank 0's log shows a first transfer done, 19 to come
+            log = folder / "rank_0.log"
+            _wait(lambda: stop.is_set() or (log.exists() and "repeat 1/" in log.read_text()), 120)
             while not stop.is_set() and not schedule.done:
                 schedule.poll(1)
                 time.sleep(0.05)

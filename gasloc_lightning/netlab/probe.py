@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     tensor = torch.zeros(max(1, args.bytes // 4))
     inbox = {peer: torch.empty_like(tensor) for pair in parse_pairs(args.pairs) for peer in pair}
     _once(group, argparse.Namespace(**{**vars(args), "pattern": "allreduce"}), torch.zeros(1), inbox)  # warm-up
-    seconds = [_once(group, args, tensor, inbox) for _ in range(args.repeats)]
+    seconds = []
+    for repeat in range(args.repeats):  # a line per repeat in the rank's log: a caller can wait on transfers running
+        seconds.append(_once(group, args, tensor, inbox))
+        print(f"repeat {repeat + 1}/{args.repeats} {seconds[-1]:.4f}s", flush=True)
     if args.rank == 0 and args.out:
         with open(args.out, "w") as out:
             json.dump({"pattern": args.pattern, "bytes": args.bytes, "seconds": seconds}, out)
