@@ -519,15 +519,19 @@ def test_an_unsigned_length_is_refused_before_the_body_is_read(make_transport):
             connection.recv(4096)
             connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 68719476736\r\n"
                                + f"{LENGTH_MAC_HEADER}: {'0' * 64}\r\n\r\n".encode() + b"x" * 65536)
-            time.sleep(2)
+            done.wait(30)  # holds the connection open: a client reading the body would wait here
 
+    done = threading.Event()
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     start = time.monotonic()
     try:
         with pytest.raises(UnsafePayloadError, match="not signed"):
             make_transport().recv_checkpoint(0, f"http://127.0.0.1:{listener.getsockname()[1]}", 3, 10.0)
-        assert time.monotonic() - start < 1.5
+        # refused while the source still holds the connection (it ends only after done is set): a client that read
+        # the body would have waited out its 10 s timeout instead (a wide bound, not a speed)
+        assert thread.is_alive() and time.monotonic() - start < 8.0
     finally:
+        done.set()
         thread.join(5)
         listener.close()
