@@ -125,6 +125,8 @@ METHODS = {
         f"K={k},{codec},{label}": (f"topology.cross_every={k}", f"topology.cross_codec={codec}", *outer)
         for k in (2, 4, 8) for codec in ("int4", "int8") for label, outer in list(_REGION_OUTER.items())[:1]}),
 }
+DEFAULT_METHODS = ("ddp", "diloco", "streaming_diloco", *("gasloc_one_peer", "gasloc_bw_spread", "gasloc_compressed",
+                                                            "gasloc_streamed"))
 DILOCO_FAMILY = ("diloco", "streaming_diloco", "hierarchical", "sparseloco")  # issue 31's ratios are to the best
 REGION_SHAPED = ("hierarchical", "two_level")  # their regions come from the network's sites
 # Which scenarios have the same sites (and so the same regions): two-level runs are shared only within one layout.
@@ -132,6 +134,7 @@ SITE_LAYOUT = {"two_clusters": "two_clusters", "two_clusters_10g": "two_clusters
                "many_sites": "many_sites", "many_sites_fast": "many_sites", "many_sites_slow": "many_sites"}
 
 
+DEFAULT_SCENARIOS = SCENARIOS[:5]  # the bandwidth sweep is asked for by name (issue 31's protocol)
 CLOCK_ONLY = ("two_clusters", "cloud_mix", "many_sites", "jitter",  # the network changes only the clock there
               "two_clusters_10g", "two_clusters_100m", "many_sites_fast", "many_sites_slow")
 GASLOC_FORMS = ("gasloc_one_peer", "gasloc_bw_spread", "gasloc_compressed", "gasloc_streamed")
@@ -323,6 +326,10 @@ class Scenario:
             spec = METHODS[method]
             grid = {label: extra for label, extra in self.grid(method).items()
                     if outer is None or not spec.grid or label.endswith(outer)}
+            if not grid:  # --outer names a point this method's grid does not have
+                chosen[method] = {"error": f"no grid point of {method} has the outer step {outer}"}
+                print(f"  {method}: not tuned: {chosen[method]['error']}", flush=True)
+                continue
             scores, errors = {}, {}
             for label, extra in grid.items():
                 try:
@@ -363,11 +370,7 @@ class Scenario:
                                                                  run_label(chosen[method]))
                 results[method]["seeds"][str(seed)] = {**self.score(run, target), "target_loss": target[0],
                                                        "diloco_time": target[1]}
-            _family_ratios([results[method]["seeds"][str(seed)] for method in runnable],
-                           [results[method]["seeds"][str(seed)] for method in runnable if method in DILOCO_FAMILY])
-        for result in results.values():
-            result |= _summary(list(result["seeds"].values()))
-        return results
+        return summarised(results)
 
 
 def run_label(entry: dict) -> str:
@@ -386,14 +389,22 @@ def best_form(chosen: dict[str, dict]) -> str | None:
     return min(scored, key=lambda form: tuning_key(scored[form])) if scored else None
 
 
-def _family_ratios(scores: list[dict], family: list[dict]) -> None:
-    """One seed: each score's ``family_ratio``, its time over the fastest DiLoCo-family method's (None where it, or
-    every family method, never reached the target)."""
-    times = [s["time_to_target"] for s in family if s["time_to_target"] is not None]
-    fastest = min(times) if times else None
-    for score in scores:
-        reached = score["time_to_target"]
-        score["family_ratio"] = None if reached is None or fastest is None else reached / fastest
+def summarised(results: dict[str, dict]) -> dict[str, dict]:
+    """``results`` (method -> per-seed scores) with each seed's ``family_ratio`` (its time over the fastest
+    DiLoCo-family method's among ``results`` on that seed; None where it, or every family method, never reached
+    the target) and each method's summary. Run again on merged results: the family is every method recorded."""
+    seeds = {seed for result in results.values() for seed in result["seeds"]}
+    for seed in seeds:
+        scores = {method: result["seeds"][seed] for method, result in results.items() if seed in result["seeds"]}
+        times = [s["time_to_target"] for m, s in scores.items()
+                 if m in DILOCO_FAMILY and s["time_to_target"] is not None]
+        fastest = min(times) if times else None
+        for score in scores.values():
+            reached = score["time_to_target"]
+            score["family_ratio"] = None if reached is None or fastest is None else reached / fastest
+    for result in results.values():
+        result |= _summary(list(result["seeds"].values()))
+    return results
 
 
 def _mean_of(values: list[float | None]) -> float | None:
@@ -463,7 +474,8 @@ def merged(previous: dict | None, current: dict, workers: int) -> dict:
         tuning["gasloc_best"] = previous["tuning"]["gasloc_best"]
     results = {**{m: previous["results"][m] for m in kept if m in previous.get("results", {})},
                **current["results"]}
-    return {**current, "results": dict(sorted(results.items(), key=lambda item: order.index(item[0]))),
+    results = summarised(dict(sorted(results.items(), key=lambda item: order.index(item[0]))))
+    return {**current, "results": results,
             "tuning": dict(sorted(tuning.items(), key=lambda item: order.index(item[0]))),
             "not_run": [method for method in METHODS if method not in tuning]}
 
@@ -605,10 +617,12 @@ def markdown(out: Path) -> str:
                              f"| {result['val_loss_mean']:.4f} | {tuned} |"
                              + (f" {', '.join(_cell(r) for r in result.get('family_ratios', []))} |" if family else ""))
             for method, chosen in scenario["tuning"].items():
+                tail = " |" if family else ""
                 if method in METHODS and method not in scenario["results"] and "error" not in chosen:
-                    lines.append(f"| {method} | not run on the held-out seeds | | | | {chosen.get('label', '')} |")
+                    lines.append(f"| {method} | not run on the held-out seeds | | | | {chosen.get('label', '')} |"
+                                 + tail)
                 if "error" in chosen:
-                    lines.append(f"| {method} | cannot run here | | | | {chosen['error']} |")
+                    lines.append(f"| {method} | cannot run here | | | | {chosen['error']} |{tail}")
             lines.append("")
     return "\n".join(lines)
 
@@ -653,7 +667,8 @@ def plot(out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(DEFAULT_SCENARIOS),
+                        help=f"default: {' '.join(DEFAULT_SCENARIOS)} (the bandwidth sweep is asked for by name)")
     parser.add_argument("--steps", type=int, default=60, help="plain DiLoCo's steps: the target (runs get 1.5x)")
     parser.add_argument("--inner-steps", type=int, default=10, help="H")
     parser.add_argument("--inner-steps-grid", type=int, nargs="+", default=[], metavar="H",
@@ -666,8 +681,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tuned-from", type=int, default=None, metavar="N",
                         help="no tuning: run the held-out seeds with the configurations chosen at N workers "
                              "(from multicloud_n<N>.json in --out); for sizes where tuning is too costly")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
-                        help="a subset of the methods (diloco, the reference, must be one of them)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(DEFAULT_METHODS),
+                        help="a subset of the methods (diloco, the reference, must be one of them); default: "
+                             f"{' '.join(DEFAULT_METHODS)} (issue 31's are asked for by name)")
     parser.add_argument("--given", type=Path, default=None,
                         help="JSON {scenario: {method: tuning entry}}: choices made elsewhere, not rerun (each says "
                              "why under 'given')")

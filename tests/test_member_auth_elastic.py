@@ -95,8 +95,9 @@ class Intruder:
             self.membership.commit(quorum.max_step)  # up to date from now on: no heal source, no heal
 
     def attack(self, quorum, challenged) -> None:
-        """Post a receive for every member's gossip message, then attest with a guess. (Its waits are long: in gloo
-        a receive that times out closes the connection, and would end the attack early.)"""
+        """Post a receive for every member's gossip message, then attest with a guess. (Its receives wait long: in
+        gloo a receive that times out closes the connection, and would end the attack early. Its attestation wait
+        is short: see below.)"""
         pg = self.membership.process_group
         if quorum.size <= 1 or quorum.quorum_id == challenged:
             return

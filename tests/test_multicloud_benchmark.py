@@ -138,10 +138,11 @@ def test_two_level_methods_share_runs_only_between_scenarios_of_one_site_layout_
     def run(overrides: list[str], out: Path) -> dict:
         calls.append(overrides)
         if "network=jitter" in overrides and any(o.startswith("topology=") and "one_peer" not in o for o in overrides):
-            raise mc.SimRunError("gasloc-sim exited 1: ...\nTopologyError('two_level needs regions')\nfull_key: topology")
+            raise mc.SimRunError("gasloc-sim exited 1: ...\nTopologyError('two_level needs regions')\n"
+                                 "full_key: topology")
         result = _stand_in_run(overrides, out)
-        if "topology=two_level" in overrides:  # the two-level method: a third faster than DiLoCo's time per step
-            result["trace"] = [(step, loss, time * 2 / 3) for step, loss, time in result["trace"]]
+        factor = 2 / 3 if "topology=two_level" in overrides else 0.5 if "strategy.fragments=4" in overrides else 1.0
+        result["trace"] = [(step, loss, time * factor) for step, loss, time in result["trace"]]  # streaming: 2x
         also = [o for o in overrides if o.startswith("sim.also_networks=")]
         names = also[0].split("=", 1)[1].strip("[]").split(",") if also else []
         return {**result, "also_traces": {name: result["trace"] for name in names}}
@@ -168,7 +169,19 @@ def test_two_level_methods_share_runs_only_between_scenarios_of_one_site_layout_
     assert record["two_clusters"]["tuning"]["two_level"]["label"].startswith("H=")
     mc.main(["--markdown", "--out", str(tmp_path)])
     table = capsys.readouterr().out.split("### two_clusters_10g, n = 4", 1)[1].split("###")[0]
-    assert "time / best DiLoCo-family, per seed |" in table and "| two_level |" in table and "0.67, 0.67, 0.67 |" in table
+    assert "time / best DiLoCo-family, per seed |" in table and "| two_level |" in table
+    assert "0.67, 0.67, 0.67 |" in table
+    # Streaming DiLoCo run later with the same protocol: merged in, it is the family's fastest for every method kept
+    mc.main(["--workers", "4", "--scenarios", "two_clusters", "two_clusters_10g", "jitter", "--steps", "40",
+             "--inner-steps-grid", "10", "20", "--methods", "diloco", "streaming_diloco", "--out", str(tmp_path)])
+    merged = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["two_clusters_10g"]["results"]
+    assert merged["two_level"]["family_ratios"] == pytest.approx([4 / 3] * 3)  # (2/3) / (1/2)
+    assert merged["streaming_diloco"]["family_ratios"] == pytest.approx([1.0] * 3)
+    # --outer that names no point of a method's grid: that method is reported untuned, the others run
+    mc.main(["--workers", "4", "--scenarios", "two_clusters", "--steps", "40", "--methods", "diloco", "two_level",
+             "--outer", "eta=0.7,gamma=0.5", "--out", str(tmp_path / "outer")])
+    outer = json.loads((tmp_path / "outer" / "multicloud_n4.json").read_text())["scenarios"]["two_clusters"]
+    assert outer["tuning"]["two_level"]["error"] == "no grid point of two_level has the outer step eta=0.7,gamma=0.5"
 
 
 def test_a_size_can_reuse_the_configurations_tuned_at_another(tmp_path, monkeypatch):
@@ -385,7 +398,8 @@ def test_a_rerun_drops_a_method_that_now_fails_and_a_new_reference_replaces_the_
     _new_simulator(monkeypatch, tmp_path, _stand_in_run)
     mc.main(["--workers", "4", "--scenarios", "jitter", "--steps", "40", "--out", str(tmp_path)])  # all again
     rebuilt = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["jitter"]
-    assert set(rebuilt["tuning"]) == {*mc.METHODS, "gasloc_best"}  # against the stand-in's own DiLoCo, not the 1e-3 one
+    # against the stand-in's own DiLoCo, not the 1e-3 one
+    assert set(rebuilt["tuning"]) == {*mc.DEFAULT_METHODS, "gasloc_best"}
 
     def slower_diloco(overrides, out):  # the reference moved (another simulator): every old ratio is void
         run = _stand_in_run(overrides, out)

@@ -237,6 +237,7 @@ class TwoLevelRound:
         self.cross.load_state_dict(state["cross"])
         if self.rule.cross_overlap:  # saved without the delayed crossing: nothing was pending, a zero correction
             self.correction.copy_(state["correction"]) if "correction" in state else self.correction.zero_()
-            # saved before the last mix was kept: the region point (a quantized mean's next changes are from there)
+            # saved before the last mix was kept: the region point (gossip overwrites it before reading it; a delayed
+            # quantized mean, gasloc-sim's only, measures its first changes from there, region by region)
             self._arrived.copy_(state["last_mix"] if "last_mix" in state else state["region_start"])
         self.in_flight = False

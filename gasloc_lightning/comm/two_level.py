@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ class PendingCross:
     own_decoded: Tensor | None = None  # with a codec: this rank's shard as its peers decode it
     own: Tensor | None = None  # the world mean's own message, kept if the mean is not finite
     divisor: int = 1  # the world mean's: what ``padded`` is divided by when it lands
+    reference: Tensor | None = None  # the quantized mean's shared reference, moved to the mean if it is accepted
 
 
 class RegionTransport:
@@ -95,9 +97,12 @@ class RegionTransport:
                 raise ValueError(f"codec={codec!r} with the delayed crossing and the world mean (hierarchical DiLoCo): "
                                  "its quantized mean is blocking here; gasloc-sim runs the delayed form, or use "
                                  "cross_overlap=false here")
-            columns = [dist.new_group([members[local] for members in regions.members]) for local in range(self.size)]
+            limit = timedelta(seconds=timeout)
+            columns = [dist.new_group([members[local] for members in regions.members], timeout=limit)
+                       for local in range(self.size)]
             self._column = columns[self.local_index]
         self._encoded: EncodedAllReduce | None = None
+        self._reference: Tensor | None = None  # the last accepted quantized mean, the same on every rank
         # created after the region groups, by every rank, in the same order
         self._cross_group = dedicated_group([range(regions.world_size)], rank, timeout=timeout) if delayed else None
 
@@ -129,8 +134,10 @@ class RegionTransport:
         or with ``peers=None`` the world mean (hierarchical DiLoCo). Land it with :meth:`land_cross`.
 
         ``reference``: with a lossy codec, the world mean averages ``message - reference`` and adds it back; it must
-        be the same on every rank (the last crossing's mean: the cross step's round start). That mean is computed
-        here, blocking (the delayed crossing refuses it)."""
+        be the same on every rank (the round's last mix). It is read at the first crossing only: after it the
+        transport keeps the last accepted mean, so a mean refused as not finite (each rank then keeps its own
+        message) leaves the next one common to all ranks. That mean is computed here, blocking (the delayed
+        crossing refuses it)."""
         numel = message.numel()
         if peers is None and self._column is not None:
             return self._encoded_mean(message, reference)
@@ -166,6 +173,9 @@ class RegionTransport:
         if reference is None or reference.shape != message.shape:
             raise ValueError("a quantized cross mean needs the reference point every rank shares (the last mean), "
                              "shaped as the message")
+        if self._reference is None:
+            self._reference = reference.detach().to(torch.float32, copy=True)
+        reference = self._reference
         numel = message.numel()
         chunk = math.ceil(numel / self.size)
         padded = torch.zeros(chunk * self.size, dtype=torch.float32, device=message.device)
@@ -185,7 +195,7 @@ class RegionTransport:
             self.bytes_cross += (self.size - 1) * chunk * padded.element_size()
         else:
             own.copy_(mean)
-        return PendingCross(padded, numel, mean=True, own=message.detach().clone())
+        return PendingCross(padded, numel, mean=True, own=message.detach().clone(), reference=reference)
 
     @torch.no_grad()
     def land_cross(self, pending: PendingCross, destination: Tensor) -> list[int]:
@@ -205,6 +215,8 @@ class RegionTransport:
                 mean.div_(pending.divisor)
             if all_finite(mean):
                 destination.copy_(mean)
+                if pending.reference is not None:
+                    pending.reference.copy_(mean)
                 return []
             destination.copy_(pending.own)
             return [-1]
