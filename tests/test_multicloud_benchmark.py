@@ -3,7 +3,6 @@ held-out seeds, time to plain DiLoCo's loss as a ratio) does what its docstring 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -12,22 +11,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from bench_utils import load_benchmark
 from gasloc_lightning.app import sim as _sim_app  # noqa: F401  (registers the sim app's schema)
 from gasloc_lightning.app.config import config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # multicloud imports its sibling sim_runs
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("multicloud_benchmark", ROOT / "benchmarks" / "multicloud.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["multicloud_benchmark"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-mc = _load()
+mc = load_benchmark("multicloud")  # as multicloud_benchmark: it imports its sibling sim_runs
 
 
 @pytest.mark.parametrize("scenario", mc.SCENARIOS)

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the probe imports its sibling multicloud
+from bench_utils import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("multicloud_grid_probe", ROOT / "benchmarks" / "multicloud_grid_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-probe = _load()
+probe = load_benchmark("multicloud_grid_probe", "multicloud_grid_probe")  # it imports its sibling multicloud
 CALLS: list[list[str]] = []
 EXTRA_CURVES = {  # GASLoC at the extra points: (0.5, 0.5) reaches the target sooner but ends higher,
     (0.5, 0.5): lambda step: max(5.0 - 0.03 * step, 4.5),  # (0.7, 0.3) reaches it later but ends lower

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from bench_utils import load_benchmark
 from gasloc_lightning.app.config import config_dir
 from gasloc_lightning.topology.regions import TwoLevelTopology
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the probe imports its sibling sim_runs
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("two_level_probe", ROOT / "benchmarks" / "two_level_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-probe = _load()
+probe = load_benchmark("two_level_probe", "two_level_probe")
 
 
 @pytest.mark.parametrize("method", sorted(probe.METHODS))
