@@ -240,6 +240,28 @@ class PlannedRuns(SharedRuns):
         return ScriptProgress(total=len(self.planned), recorded=kept)
 
 
+def grid_edges(labels: list[str], chosen: str) -> list[str]:
+    """The hyperparameters of grid point ``chosen`` that sit at an end of the values its grid tried (``labels``:
+    ``H=20,K=4,int4,eta=0.7,gamma=0.9``; a numeric ``key=value`` tried at two or more values): the protocol widens
+    a grid until no chosen point is on an edge, and the tables flag those that still are."""
+    def numeric(label: str) -> dict[str, float]:
+        values = {}
+        for part in label.split(","):
+            key, _, value = part.partition("=")
+            try:
+                values[key] = float(value)
+            except ValueError:
+                continue
+        return values
+
+    tried: dict[str, set[float]] = {}
+    for label in labels:
+        for key, value in numeric(label).items():
+            tried.setdefault(key, set()).add(value)
+    return [key for key, value in numeric(chosen).items()
+            if len(tried.get(key, ())) > 1 and value in (min(tried[key]), max(tried[key]))]
+
+
 def tuning_key(score: dict) -> tuple[float, float]:
     """The order a method's grid points are chosen by: time to the target (never reached last), then final loss."""
     return (math.inf if score["time_to_target"] is None else score["time_to_target"], score["val_loss"])
@@ -315,6 +337,7 @@ class Scenario:
             diloco = {label: self.run("diloco", extra, seed, label) for label, extra in diloco_grid.items()}
             best = min(diloco, key=lambda label: self.target(diloco[label])[0])
             chosen["diloco"] = {"label": best, "overrides": diloco_grid[best],
+                                "edges": grid_edges(list(diloco), best),
                                 "losses": {label: self.target(run)[0] for label, run in diloco.items()}}
             target = self.target(diloco[best])
         for method in self.methods:
@@ -342,7 +365,7 @@ class Scenario:
                 continue
             label = min(scores, key=lambda k: tuning_key(scores[k]))
             chosen[method] = {"label": label, "overrides": grid[label], "scores": scores,
-                              **({"errors": errors} if errors else {})}
+                              "edges": grid_edges(list(scores), label), **({"errors": errors} if errors else {})}
             print(f"  tuned {method}: {label}", flush=True)
         if "gasloc_best" in given:
             chosen["gasloc_best"] = given["gasloc_best"]
@@ -522,7 +545,7 @@ def check_noise_draws(scenarios: tuple[str, ...], seeds: tuple[int, ...]) -> Non
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
         seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
         methods: tuple[str, ...] = tuple(METHODS), given: dict[str, dict] | None = None, outer: str | None = None,
-        forms: str = "all", inner_steps_grid: tuple[int, ...] = ()) -> None:
+        forms: str = "all", inner_steps_grid: tuple[int, ...] = (), dry_run: bool = False) -> None:
     """Tune (or take ``--tuned-from``) and run the held-out seeds of every scenario; each scenario's record is
     written to ``<out>/multicloud_n<workers>.json`` as it ends and every run's trace to ``<out>/runs/n<workers>/``
     (a rerun reads the runs it finds there: the benchmark resumes where it stopped).
@@ -532,6 +555,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         outer: tune only the grid points of this outer step (``--outer``).
         forms: ``"best"``: of GASLoC's forms only the best one on the tuning seed runs the held-out seeds.
         inner_steps_grid: the H every method's grid is crossed with (``--inner-steps-grid``; empty: ``inner_steps``).
+        dry_run: list the runs the session would ask for (those recorded marked) and run nothing.
     """
     methods = check_methods(methods)
     choices = None if tuned_from is None else tuned_choices(out, tuned_from, scenarios, methods, seeds, steps,
@@ -556,6 +580,10 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
     progress = plan.planned_progress()
     print(f"{progress.total} gasloc-sim runs at n = {workers}, {progress.recorded} recorded already in {folder}",
           flush=True)
+    if dry_run:  # an estimate where results decide what runs (which form is best, a method a scenario refuses)
+        for name, overrides in plan.planned.items():
+            print(f"  {'recorded' if plan.recorded(overrides, name) else 'to run':8s}  {name}", flush=True)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         runs = SharedRuns(together, folder, Path(tmp), progress)
         for name in scenarios:
@@ -613,6 +641,8 @@ def markdown(out: Path) -> str:
             for method, result in scenario["results"].items():
                 per_seed = ", ".join(_cell(r) for r in result["ratios"])
                 tuned = scenario["tuning"][method].get("label", "")
+                edges = scenario["tuning"][method].get("edges")
+                tuned += f" (edge: {', '.join(edges)})" if edges else ""
                 lines.append(f"| {method} | {_cell(result['ratio_mean'])} | {per_seed} | {result['goodput_mean']:.3f} "
                              f"| {result['val_loss_mean']:.4f} | {tuned} |"
                              + (f" {', '.join(_cell(r) for r in result.get('family_ratios', []))} |" if family else ""))
@@ -691,6 +721,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="tune only the grid points of this outer step (e.g. eta=0.7,gamma=0.5), every codec")
     parser.add_argument("--forms", choices=("all", "best"), default="all",
                         help="best: only GASLoC's best form on the tuning seed runs the held-out seeds")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the gasloc-sim runs this session would ask for (recorded ones marked), run none")
     parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
     parser.add_argument("--markdown", action="store_true", help="only print the tables of the JSON files in --out")
     args = parser.parse_args(argv)
@@ -714,7 +746,9 @@ def main(argv: list[str] | None = None) -> None:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
                       tuple(args.seeds), args.out, args.tuned_from, tuple(args.methods),
                       None if args.given is None else json.loads(args.given.read_text()), args.outer, args.forms,
-                      tuple(args.inner_steps_grid))
+                      tuple(args.inner_steps_grid), args.dry_run)
+        if args.dry_run:
+            return
     plot(args.out)
 
 

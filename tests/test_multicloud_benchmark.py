@@ -155,9 +155,10 @@ def test_two_level_methods_share_runs_only_between_scenarios_of_one_site_layout_
     assert results["two_level"]["family_ratios"] == pytest.approx([2 / 3] * 3)  # over DiLoCo and hierarchical's
     assert results["diloco"]["family_ratios"] == pytest.approx([1.0] * 3)
     assert record["two_clusters"]["tuning"]["two_level"]["label"].startswith("H=")
+    assert "H" in record["two_clusters"]["tuning"]["two_level"]["edges"]  # two H tried: any choice is an edge
     mc.main(["--markdown", "--out", str(tmp_path)])
     table = capsys.readouterr().out.split("### two_clusters_10g, n = 4", 1)[1].split("###")[0]
-    assert "time / best DiLoCo-family, per seed |" in table and "| two_level |" in table
+    assert "time / best DiLoCo-family, per seed |" in table and "| two_level |" in table and "(edge: H" in table
     assert "0.67, 0.67, 0.67 |" in table
     # Streaming DiLoCo run later with the same protocol: merged in, it is the family's fastest for every method kept
     mc.main(["--workers", "4", "--scenarios", "two_clusters", "two_clusters_10g", "jitter", "--steps", "40",
@@ -465,3 +466,22 @@ def test_a_run_keeps_hydras_error_line_and_a_hung_run_is_killed_and_reported(tmp
     with pytest.raises(mc.SimRunError) as hung:
         sim_runs.run_sim(["sim.workers=4"], tmp_path)
     assert hung.value.reason == "TimeoutError: no result after 5 s"
+
+
+def test_a_chosen_point_at_an_end_of_its_grid_is_flagged_by_name():
+    grid = [f"H={h},K={k},int4,eta=0.7" for h in (10, 20, 50) for k in (2, 4, 8)]
+    assert mc.grid_edges(grid, "H=20,K=4,int4,eta=0.7") == []  # inside on both; eta was tried at one value only
+    assert mc.grid_edges(grid, "H=50,K=4,int4,eta=0.7") == ["H"]
+    assert mc.grid_edges(grid, "H=10,K=8,int4,eta=0.7") == ["H", "K"]
+    assert mc.grid_edges(["default"], "default") == []
+
+
+def test_a_dry_run_lists_the_runs_and_runs_none(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mc, "run_sim", lambda overrides, out: pytest.fail("a dry run ran gasloc-sim"))
+    mc.main(["--workers", "4", "--scenarios", "two_clusters", "two_clusters_10g", "--steps", "40",
+             "--inner-steps-grid", "10", "20", "--methods", "diloco", "two_level", "--dry-run", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    listed = [line for line in out.splitlines() if line.startswith("  to run")]
+    # plain DiLoCo: 6 points (3 outer x 2 H) on seed 0 + the chosen one on 3 held-out seeds; two_level: 12 + 3
+    assert out.startswith(f"{len(listed)} gasloc-sim runs at n = 4, 0 recorded") and len(listed) == 6 + 3 + 12 + 3
+    assert not (tmp_path / "multicloud_n4.json").exists()
