@@ -274,9 +274,11 @@ class Scenario:
     would have no owner): GASLoC's overlapped forms run without it there."""
 
     def __init__(self, name: str, workers: int, steps: int, inner_steps: int, runs: SharedRuns,
-                 methods: tuple[str, ...] = tuple(METHODS), inner_steps_grid: tuple[int, ...] = ()):
+                 methods: tuple[str, ...] = tuple(METHODS), inner_steps_grid: tuple[int, ...] = (),
+                 points: dict[str, tuple[str, ...]] | None = None):
         self.name, self.runs, self.inner_steps = name, runs, inner_steps
         self.methods, self.inner_steps_grid = methods, tuple(inner_steps_grid)
+        self.points = dict(points or {})  # method -> parts every kept grid label has (``--points``)
         self.steps = 3 * steps // 2
         self.target_step = steps
         self.base = [f"sim.workers={workers}", f"trainer.max_steps={self.steps}",
@@ -287,10 +289,11 @@ class Scenario:
         ``inner_steps_grid`` (labels ``H=20,...``) unless the method fixes its own H (DDP)."""
         spec = METHODS[method]
         grid = spec.grid or {"default": ()}
-        if not self.inner_steps_grid or spec.inner_steps is not None:
-            return dict(grid)
-        return {f"H={h},{label}" if spec.grid else f"H={h}": (f"inner_steps={h}", *extra)
-                for h in self.inner_steps_grid for label, extra in grid.items()}
+        if self.inner_steps_grid and spec.inner_steps is None:
+            grid = {f"H={h},{label}" if spec.grid else f"H={h}": (f"inner_steps={h}", *extra)
+                    for h in self.inner_steps_grid for label, extra in grid.items()}
+        parts = self.points.get(method, ())
+        return {label: extra for label, extra in grid.items() if set(parts) <= set(label.split(","))}
 
     def run(self, method: str, overrides: tuple[str, ...], seed: int, label: str) -> dict:
         spec = METHODS[method]
@@ -334,6 +337,9 @@ class Scenario:
                 self.target(self.run("diloco", tuple(given["diloco"]["overrides"]), seed, run_label(given["diloco"])))
         else:
             diloco_grid = self.grid("diloco")
+            if not diloco_grid:
+                raise ValueError(f"--points {','.join(self.points['diloco'])} leaves plain DiLoCo, the reference, no "
+                                 f"grid point (its labels: {list(METHODS['diloco'].grid)})")
             diloco = {label: self.run("diloco", extra, seed, label) for label, extra in diloco_grid.items()}
             best = min(diloco, key=lambda label: self.target(diloco[label])[0])
             chosen["diloco"] = {"label": best, "overrides": diloco_grid[best],
@@ -349,8 +355,9 @@ class Scenario:
             spec = METHODS[method]
             grid = {label: extra for label, extra in self.grid(method).items()
                     if outer is None or not spec.grid or label.endswith(outer)}
-            if not grid:  # --outer names a point this method's grid does not have
-                chosen[method] = {"error": f"no grid point of {method} has the outer step {outer}"}
+            if not grid:  # --outer or --points name a point this method's grid does not have
+                why = f"the outer step {outer}" if outer is not None else ",".join(self.points.get(method, ()))
+                chosen[method] = {"error": f"no grid point of {method} has {why}"}
                 print(f"  {method}: not tuned: {chosen[method]['error']}", flush=True)
                 continue
             scores, errors = {}, {}
@@ -461,7 +468,7 @@ def check_methods(methods: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(method for method in METHODS if method in methods)
 
 
-_PROTOCOL = ("steps", "target_step", "inner_steps", "inner_steps_grid", "tuning_seed", "held_out_seeds",
+_PROTOCOL = ("steps", "target_step", "inner_steps", "inner_steps_grid", "points", "tuning_seed", "held_out_seeds",
              "tuned_at_workers")
 
 
@@ -545,7 +552,8 @@ def check_noise_draws(scenarios: tuple[str, ...], seeds: tuple[int, ...]) -> Non
 def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_steps: int, tuning_seed: int,
         seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
         methods: tuple[str, ...] = tuple(METHODS), given: dict[str, dict] | None = None, outer: str | None = None,
-        forms: str = "all", inner_steps_grid: tuple[int, ...] = (), dry_run: bool = False) -> None:
+        forms: str = "all", inner_steps_grid: tuple[int, ...] = (), dry_run: bool = False,
+        points: dict[str, tuple[str, ...]] | None = None) -> None:
     """Tune (or take ``--tuned-from``) and run the held-out seeds of every scenario; each scenario's record is
     written to ``<out>/multicloud_n<workers>.json`` as it ends and every run's trace to ``<out>/runs/n<workers>/``
     (a rerun reads the runs it finds there: the benchmark resumes where it stopped).
@@ -556,6 +564,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         forms: ``"best"``: of GASLoC's forms only the best one on the tuning seed runs the held-out seeds.
         inner_steps_grid: the H every method's grid is crossed with (``--inner-steps-grid``; empty: ``inner_steps``).
         dry_run: list the runs the session would ask for (those recorded marked) and run nothing.
+        points: ``{method: parts}``: only the grid points whose label has every part (``--points``).
     """
     methods = check_methods(methods)
     choices = None if tuned_from is None else tuned_choices(out, tuned_from, scenarios, methods, seeds, steps,
@@ -565,7 +574,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
     together, folder = tuple(name for name in scenarios if name in CLOCK_ONLY), out / "runs" / f"n{workers}"
 
     def session(runs: SharedRuns, name: str) -> tuple[Scenario, dict, dict, dict]:
-        scenario = Scenario(name, workers, steps, inner_steps, runs, methods, inner_steps_grid)
+        scenario = Scenario(name, workers, steps, inner_steps, runs, methods, inner_steps_grid, points)
         if choices is None:
             protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
             chosen = scenario.tune(tuning_seed, (given or {}).get(name), outer)
@@ -591,6 +600,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
             scenario, protocol, chosen, results = session(runs, name)
             current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
                        **({"inner_steps_grid": list(inner_steps_grid)} if inner_steps_grid else {}),
+                       **({"points": {m: list(p) for m, p in points.items()}} if points else {}),
                        "held_out_seeds": list(seeds), "tuning": chosen,
                        "not_run": [method for method in METHODS if method not in methods], "results": results}
             # read again: another invocation (other scenarios, run alongside) may have written its own since
@@ -721,6 +731,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="tune only the grid points of this outer step (e.g. eta=0.7,gamma=0.5), every codec")
     parser.add_argument("--forms", choices=("all", "best"), default="all",
                         help="best: only GASLoC's best form on the tuning seed runs the held-out seeds")
+    parser.add_argument("--points", nargs="+", default=[], metavar="METHOD=PART[,PART...]",
+                        help="tune only the grid points of METHOD whose label has every PART (e.g. "
+                             "hierarchical=K=4,delayed_int4): a cut grid, recorded with the results")
     parser.add_argument("--dry-run", action="store_true",
                         help="list the gasloc-sim runs this session would ask for (recorded ones marked), run none")
     parser.add_argument("--plot", action="store_true", help="only draw the figure from the JSON files in --out")
@@ -738,6 +751,12 @@ def main(argv: list[str] | None = None) -> None:
                      "round's end)")
     if "diloco" not in args.methods:
         parser.error("--methods must include diloco: every ratio is to plain DiLoCo's time")
+    points: dict[str, tuple[str, ...]] = {}
+    for item in args.points:
+        method, _, parts = item.partition("=")
+        if method not in METHODS or not parts:
+            parser.error(f"--points takes METHOD=PART[,PART...] with a method of {list(METHODS)}, got {item!r}")
+        points[method] = tuple(parts.split(","))
     if args.markdown:
         print(markdown(args.out))
         return
@@ -746,7 +765,7 @@ def main(argv: list[str] | None = None) -> None:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
                       tuple(args.seeds), args.out, args.tuned_from, tuple(args.methods),
                       None if args.given is None else json.loads(args.given.read_text()), args.outer, args.forms,
-                      tuple(args.inner_steps_grid), args.dry_run)
+                      tuple(args.inner_steps_grid), args.dry_run, points)
         if args.dry_run:
             return
     plot(args.out)

@@ -485,3 +485,23 @@ def test_a_dry_run_lists_the_runs_and_runs_none(tmp_path, monkeypatch, capsys):
     # plain DiLoCo: 6 points (3 outer x 2 H) on seed 0 + the chosen one on 3 held-out seeds; two_level: 12 + 3
     assert out.startswith(f"{len(listed)} gasloc-sim runs at n = 4, 0 recorded") and len(listed) == 6 + 3 + 12 + 3
     assert not (tmp_path / "multicloud_n4.json").exists()
+
+
+def test_points_cut_each_method_s_grid_and_are_recorded_with_the_protocol(tmp_path, monkeypatch, capsys):
+    """--points: only the grid labels with every given part (H included), so a cut protocol is sized with
+    --dry-run and run as sized; the cut is part of the record's protocol."""
+    protocol = ["--workers", "4", "--scenarios", "two_clusters", "--steps", "40", "--inner-steps-grid", "10", "20",
+                "--methods", "diloco", "two_level"]
+    common = [*protocol, "--points", "diloco=eta=1.0,gamma=0.3", "two_level=K=4,int4", "--out", str(tmp_path)]
+    mc.main([*common, "--dry-run"])
+    listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  to run")]
+    assert len(listed) == 2 + 3 + 2 + 3  # each: its point at H 10 and 20 on seed 0, the chosen one on 3 seeds
+    assert all("K_4_int4" in line for line in listed if "two_level" in line)
+    monkeypatch.setattr(mc, "run_sim", _stand_in_run)
+    mc.main(common)
+    record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["two_clusters"]
+    assert record["points"] == {"diloco": ["eta=1.0", "gamma=0.3"], "two_level": ["K=4", "int4"]}
+    assert set(record["tuning"]["two_level"]["scores"]) == {"H=10,K=4,int4,eta=0.7,gamma=0.9",
+                                                            "H=20,K=4,int4,eta=0.7,gamma=0.9"}
+    with pytest.raises(ValueError, match="leaves plain DiLoCo, the reference, no grid point"):
+        mc.main([*protocol, "--points", "diloco=eta=9", "--out", str(tmp_path / "none")])
