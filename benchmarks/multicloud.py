@@ -242,8 +242,9 @@ class PlannedRuns(SharedRuns):
 
 def grid_edges(labels: list[str], chosen: str) -> list[str]:
     """The hyperparameters of grid point ``chosen`` that sit at an end of the values its grid tried (``labels``:
-    ``H=20,K=4,int4,eta=0.7,gamma=0.9``; a numeric ``key=value`` tried at two or more values): the protocol widens
-    a grid until no chosen point is on an edge, and the tables flag those that still are."""
+    ``H=20,K=4,int4,eta=0.7,gamma=0.9``; a numeric ``key=value`` tried at three or more values, so that an inside
+    exists): the protocol widens a grid until no chosen point is on an edge, and the tables flag those that still
+    are."""
     def numeric(label: str) -> dict[str, float]:
         values = {}
         for part in label.split(","):
@@ -259,7 +260,7 @@ def grid_edges(labels: list[str], chosen: str) -> list[str]:
         for key, value in numeric(label).items():
             tried.setdefault(key, set()).add(value)
     return [key for key, value in numeric(chosen).items()
-            if len(tried.get(key, ())) > 1 and value in (min(tried[key]), max(tried[key]))]
+            if len(tried.get(key, ())) > 2 and value in (min(tried[key]), max(tried[key]))]
 
 
 def tuning_key(score: dict) -> tuple[float, float]:
@@ -344,6 +345,7 @@ class Scenario:
             best = min(diloco, key=lambda label: self.target(diloco[label])[0])
             chosen["diloco"] = {"label": best, "overrides": diloco_grid[best],
                                 "edges": grid_edges(list(diloco), best),
+                                **({"points": sorted(self.points["diloco"])} if "diloco" in self.points else {}),
                                 "losses": {label: self.target(run)[0] for label, run in diloco.items()}}
             target = self.target(diloco[best])
         for method in self.methods:
@@ -356,7 +358,7 @@ class Scenario:
             grid = {label: extra for label, extra in self.grid(method).items()
                     if outer is None or not spec.grid or label.endswith(outer)}
             if not grid:  # --outer or --points name a point this method's grid does not have
-                why = f"the outer step {outer}" if outer is not None else ",".join(self.points.get(method, ()))
+                why = f"the outer step {outer}" if self.grid(method) else ",".join(self.points.get(method, ()))
                 chosen[method] = {"error": f"no grid point of {method} has {why}"}
                 print(f"  {method}: not tuned: {chosen[method]['error']}", flush=True)
                 continue
@@ -372,7 +374,8 @@ class Scenario:
                 continue
             label = min(scores, key=lambda k: tuning_key(scores[k]))
             chosen[method] = {"label": label, "overrides": grid[label], "scores": scores,
-                              "edges": grid_edges(list(scores), label), **({"errors": errors} if errors else {})}
+                              "edges": grid_edges(list(scores), label), **({"errors": errors} if errors else {}),
+                              **({"points": sorted(self.points[method])} if method in self.points else {})}
             print(f"  tuned {method}: {label}", flush=True)
         if "gasloc_best" in given:
             chosen["gasloc_best"] = given["gasloc_best"]
@@ -468,7 +471,7 @@ def check_methods(methods: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(method for method in METHODS if method in methods)
 
 
-_PROTOCOL = ("steps", "target_step", "inner_steps", "inner_steps_grid", "points", "tuning_seed", "held_out_seeds",
+_PROTOCOL = ("steps", "target_step", "inner_steps", "inner_steps_grid", "tuning_seed", "held_out_seeds",
              "tuned_at_workers")
 
 
@@ -527,7 +530,8 @@ def tuned_choices(out: Path, tuned_from: int, scenarios: tuple[str, ...], method
         missing = [method for method in methods if method not in source["tuning"]]
         if missing:
             raise ValueError(f"{where} there has no tuning for {missing} (rerun it)")
-        protocol = {"tuning_seed": source["tuning_seed"], "tuned_at_workers": source.get("tuned_at_workers", tuned_from)}
+        protocol = {"tuning_seed": source["tuning_seed"], "tuned_at_workers": source.get("tuned_at_workers", tuned_from),
+                    **({"inner_steps_grid": source["inner_steps_grid"]} if "inner_steps_grid" in source else {})}
         chosen = {method: source["tuning"][method] for method in methods}
         if "gasloc_best" in source["tuning"]:
             chosen["gasloc_best"] = source["tuning"]["gasloc_best"]
@@ -589,7 +593,8 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
     progress = plan.planned_progress()
     print(f"{progress.total} gasloc-sim runs at n = {workers}, {progress.recorded} recorded already in {folder}",
           flush=True)
-    if dry_run:  # an estimate where results decide what runs (which form is best, a method a scenario refuses)
+    if dry_run:  # a lower bound: the held-out runs grow where scenarios sharing runs choose different points
+        print("(at least: held-out runs are shared only where the scenarios choose the same point)", flush=True)
         for name, overrides in plan.planned.items():
             print(f"  {'recorded' if plan.recorded(overrides, name) else 'to run':8s}  {name}", flush=True)
         return
@@ -600,7 +605,6 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
             scenario, protocol, chosen, results = session(runs, name)
             current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
                        **({"inner_steps_grid": list(inner_steps_grid)} if inner_steps_grid else {}),
-                       **({"points": {m: list(p) for m, p in points.items()}} if points else {}),
                        "held_out_seeds": list(seeds), "tuning": chosen,
                        "not_run": [method for method in METHODS if method not in methods], "results": results}
             # read again: another invocation (other scenarios, run alongside) may have written its own since
@@ -751,12 +755,23 @@ def main(argv: list[str] | None = None) -> None:
                      "round's end)")
     if "diloco" not in args.methods:
         parser.error("--methods must include diloco: every ratio is to plain DiLoCo's time")
+    if args.tuned_from is not None and (args.points or args.inner_steps_grid):
+        parser.error("--points and --inner-steps-grid shape a tuning: with --tuned-from the source's choices run")
+    if args.dry_run and (args.plot or args.markdown):
+        parser.error("--dry-run lists runs: not with --plot or --markdown")
     points: dict[str, tuple[str, ...]] = {}
+    uncut = Scenario("", 2, args.steps, args.inner_steps, runs=None, inner_steps_grid=tuple(args.inner_steps_grid))
     for item in args.points:
-        method, _, parts = item.partition("=")
-        if method not in METHODS or not parts:
-            parser.error(f"--points takes METHOD=PART[,PART...] with a method of {list(METHODS)}, got {item!r}")
-        points[method] = tuple(parts.split(","))
+        method, _, text = item.partition("=")
+        parts = tuple(text.split(","))
+        if method not in args.methods or method in points or not all(parts):
+            parser.error(f"--points takes METHOD=PART[,PART...] once per method of --methods ({args.methods}), "
+                         f"got {item!r}")
+        labels = [set(label.split(",")) for label in uncut.grid(method)]
+        if not any(set(parts) <= label for label in labels):
+            parser.error(f"--points {item}: no grid point of {method} has every part (its labels: "
+                         f"{list(uncut.grid(method))})")
+        points[method] = parts
     if args.markdown:
         print(markdown(args.out))
         return

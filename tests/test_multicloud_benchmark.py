@@ -155,10 +155,11 @@ def test_two_level_methods_share_runs_only_between_scenarios_of_one_site_layout_
     assert results["two_level"]["family_ratios"] == pytest.approx([2 / 3] * 3)  # over DiLoCo and hierarchical's
     assert results["diloco"]["family_ratios"] == pytest.approx([1.0] * 3)
     assert record["two_clusters"]["tuning"]["two_level"]["label"].startswith("H=")
-    assert "H" in record["two_clusters"]["tuning"]["two_level"]["edges"]  # two H tried: any choice is an edge
+    # three K tried (2, 4, 8) and K=2 chosen (the stand-in ties, the first wins): an edge; two H: no inside to miss
+    assert record["two_clusters"]["tuning"]["two_level"]["edges"] == ["K"]
     mc.main(["--markdown", "--out", str(tmp_path)])
     table = capsys.readouterr().out.split("### two_clusters_10g, n = 4", 1)[1].split("###")[0]
-    assert "time / best DiLoCo-family, per seed |" in table and "| two_level |" in table and "(edge: H" in table
+    assert "time / best DiLoCo-family, per seed |" in table and "| two_level |" in table and "(edge: K)" in table
     assert "0.67, 0.67, 0.67 |" in table
     # Streaming DiLoCo run later with the same protocol: merged in, it is the family's fastest for every method kept
     mc.main(["--workers", "4", "--scenarios", "two_clusters", "two_clusters_10g", "jitter", "--steps", "40",
@@ -500,8 +501,15 @@ def test_points_cut_each_method_s_grid_and_are_recorded_with_the_protocol(tmp_pa
     monkeypatch.setattr(mc, "run_sim", _stand_in_run)
     mc.main(common)
     record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["two_clusters"]
-    assert record["points"] == {"diloco": ["eta=1.0", "gamma=0.3"], "two_level": ["K=4", "int4"]}
+    assert record["tuning"]["diloco"]["points"] == ["eta=1.0", "gamma=0.3"]
+    assert record["tuning"]["two_level"]["points"] == ["K=4", "int4"]
     assert set(record["tuning"]["two_level"]["scores"]) == {"H=10,K=4,int4,eta=0.7,gamma=0.9",
                                                             "H=20,K=4,int4,eta=0.7,gamma=0.9"}
-    with pytest.raises(ValueError, match="leaves plain DiLoCo, the reference, no grid point"):
-        mc.main([*protocol, "--points", "diloco=eta=9", "--out", str(tmp_path / "none")])
+    for bad in (["diloco=eta=9"], ["two_level=H=30"], ["two_level=K=4,"], ["gasloc_streamed=default"],
+                ["two_level=K=4", "two_level=int4"]):  # no such point, an empty part, not run, twice
+        with pytest.raises(SystemExit):
+            mc.main([*protocol, "--points", *bad, "--out", str(tmp_path / "none")])
+    assert "no grid point of diloco has every part" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a tuning's shape does not go with --tuned-from (the source's choices run)
+        mc.main(["--workers", "8", "--scenarios", "two_clusters", "--steps", "40", "--tuned-from", "4",
+                 "--points", "diloco=eta=1.0", "--out", str(tmp_path)])
