@@ -276,13 +276,14 @@ class Scenario:
 
     def __init__(self, name: str, workers: int, steps: int, inner_steps: int, runs: SharedRuns,
                  methods: tuple[str, ...] = tuple(METHODS), inner_steps_grid: tuple[int, ...] = (),
-                 points: dict[str, tuple[str, ...]] | None = None):
+                 points: dict[str, tuple[str, ...]] | None = None, batch_size: int | None = None):
         self.name, self.runs, self.inner_steps = name, runs, inner_steps
         self.methods, self.inner_steps_grid = methods, tuple(inner_steps_grid)
         self.points = dict(points or {})  # method -> parts every kept grid label has (``--points``)
         self.steps = 3 * steps // 2
         self.target_step = steps
-        self.base = [f"sim.workers={workers}", f"trainer.max_steps={self.steps}",
+        batch = [] if batch_size is None else [f"data.batch_size={batch_size}"]  # None: the experiment's
+        self.base = [f"sim.workers={workers}", f"trainer.max_steps={self.steps}", *batch,
                      f"trainer.val_check_interval={inner_steps}"]
 
     def grid(self, method: str) -> dict[str, tuple[str, ...]]:
@@ -301,7 +302,7 @@ class Scenario:
         fixed = [o for o in spec.overrides if not (self.name == "preemption" and o == "overlap=true")]
         own = [o.split("=", 1)[1] for o in overrides if o.startswith("inner_steps=")]
         if own:  # a grid point's own H: validated at its own round ends (a consensus evaluation is a collective)
-            base = [*self.base[:2], f"trainer.val_check_interval={own[0]}"]
+            base = [*self.base[:-1], f"trainer.val_check_interval={own[0]}"]
             return self.runs.run(self.name, method, [*base, *fixed, *overrides, f"seed={seed}"],
                                  f"{method}_{label}_seed{seed}")
         inner_steps = f"inner_steps={spec.inner_steps or self.inner_steps}"
@@ -514,9 +515,10 @@ def merged(previous: dict | None, current: dict, workers: int) -> dict:
 
 
 def tuned_choices(out: Path, tuned_from: int, scenarios: tuple[str, ...], methods: tuple[str, ...],
-                  seeds: tuple[int, ...], steps: int, inner_steps: int) -> dict[str, tuple[dict, dict]]:
+                  seeds: tuple[int, ...], steps: int, inner_steps: int,
+                  batch_size: int | None = None) -> dict[str, tuple[dict, dict]]:
     """``--tuned-from``: each scenario's (protocol, chosen configurations) from the record at ``tuned_from``
-    workers, every scenario checked before any run (same steps and H, a tuning seed not held out here)."""
+    workers, every scenario checked before any run (same steps, H and batch, a tuning seed not held out here)."""
     choices = {}
     for name in scenarios:
         source = tuned_at(out, tuned_from, name)
@@ -524,6 +526,8 @@ def tuned_choices(out: Path, tuned_from: int, scenarios: tuple[str, ...], method
         if (source.get("target_step"), source.get("inner_steps")) != (steps, inner_steps):
             raise ValueError(f"{where} was tuned with --steps {source.get('target_step')} --inner-steps "
                              f"{source.get('inner_steps')}, not {steps} and {inner_steps}")
+        if source.get("batch_size") != batch_size:
+            raise ValueError(f"{where} was tuned with --batch-size {source.get('batch_size')}, not {batch_size}")
         if source["tuning_seed"] in seeds:
             raise ValueError(f"{where} was tuned on seed {source['tuning_seed']}, which cannot be a held-out seed "
                              f"here ({list(seeds)})")
@@ -557,7 +561,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         seeds: tuple[int, ...], out: Path, tuned_from: int | None = None,
         methods: tuple[str, ...] = tuple(METHODS), given: dict[str, dict] | None = None, outer: str | None = None,
         forms: str = "all", inner_steps_grid: tuple[int, ...] = (), dry_run: bool = False,
-        points: dict[str, tuple[str, ...]] | None = None) -> None:
+        points: dict[str, tuple[str, ...]] | None = None, batch_size: int | None = None) -> None:
     """Tune (or take ``--tuned-from``) and run the held-out seeds of every scenario; each scenario's record is
     written to ``<out>/multicloud_n<workers>.json`` as it ends and every run's trace to ``<out>/runs/n<workers>/``
     (a rerun reads the runs it finds there: the benchmark resumes where it stopped).
@@ -569,16 +573,17 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
         inner_steps_grid: the H every method's grid is crossed with (``--inner-steps-grid``; empty: ``inner_steps``).
         dry_run: list the runs the session would ask for (those recorded marked) and run nothing.
         points: ``{method: parts}``: only the grid points whose label has every part (``--points``).
+        batch_size: every worker's batch (``--batch-size``; None: the experiment's).
     """
     methods = check_methods(methods)
     choices = None if tuned_from is None else tuned_choices(out, tuned_from, scenarios, methods, seeds, steps,
-                                                            inner_steps)
+                                                            inner_steps, batch_size)
     check_noise_draws(scenarios, seeds)
     path = out / f"multicloud_n{workers}.json"
     together, folder = tuple(name for name in scenarios if name in CLOCK_ONLY), out / "runs" / f"n{workers}"
 
     def session(runs: SharedRuns, name: str) -> tuple[Scenario, dict, dict, dict]:
-        scenario = Scenario(name, workers, steps, inner_steps, runs, methods, inner_steps_grid, points)
+        scenario = Scenario(name, workers, steps, inner_steps, runs, methods, inner_steps_grid, points, batch_size)
         if choices is None:
             protocol = {"tuning_seed": tuning_seed, "tuned_at_workers": workers}
             chosen = scenario.tune(tuning_seed, (given or {}).get(name), outer)
@@ -605,6 +610,7 @@ def run_scenarios(workers: int, scenarios: tuple[str, ...], steps: int, inner_st
             scenario, protocol, chosen, results = session(runs, name)
             current = {"steps": scenario.steps, "target_step": steps, "inner_steps": inner_steps, **protocol,
                        **({"inner_steps_grid": list(inner_steps_grid)} if inner_steps_grid else {}),
+                       **({"batch_size": batch_size} if batch_size is not None else {}),
                        "held_out_seeds": list(seeds), "tuning": chosen,
                        "not_run": [method for method in METHODS if method not in methods], "results": results}
             # read again: another invocation (other scenarios, run alongside) may have written its own since
@@ -642,7 +648,10 @@ def markdown(out: Path) -> str:
             tuned_at = scenario.get("tuned_at_workers", record["workers"])
             where = "" if tuned_at == record["workers"] else f" at n = {tuned_at} (not retuned here)"
             lines += [f"### {name}, n = {record['workers']}", "",
-                      f"{scenario['steps']} steps, H = {scenario['inner_steps']}, target: plain DiLoCo's loss at step "
+                      f"{scenario['steps']} steps"
+                      + (f" of batch {scenario['batch_size']}" if "batch_size" in scenario else "")
+                      + (f", H tuned over {scenario['inner_steps_grid']}" if "inner_steps_grid" in scenario
+                         else f", H = {scenario['inner_steps']}") + f", target: plain DiLoCo's loss at step "
                       f"{scenario['target_step']}; tuned on seed {scenario['tuning_seed']}{where}, held-out seeds {seeds}.",
                       *([f"Not run here (left out with --methods): {', '.join(scenario['not_run'])}."] if scenario.get("not_run")
                         else []),
@@ -718,6 +727,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--inner-steps-grid", type=int, nargs="+", default=[], metavar="H",
                         help="cross every method's grid with these H (issue 31's protocol: 10 20 50); each run "
                              "validates at its own round ends")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="every worker's batch (default: the experiment's, 16); 4 makes a run about 2.4x cheaper "
+                             "at n = 64, what lets issue 31's 600-step protocol fit the machine")
     parser.add_argument("--tuning-seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3],
                         help="held-out seeds, reported (jitter and preemption: one noise draw each, at least 3)")
@@ -753,6 +765,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(args.steps % h for h in args.inner_steps_grid):
         parser.error("--steps must be a multiple of every H of --inner-steps-grid (the target is validated at a "
                      "round's end)")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if "diloco" not in args.methods:
         parser.error("--methods must include diloco: every ratio is to plain DiLoCo's time")
     if args.tuned_from is not None and (args.points or args.inner_steps_grid):
@@ -780,7 +794,7 @@ def main(argv: list[str] | None = None) -> None:
         run_scenarios(args.workers, tuple(args.scenarios), args.steps, args.inner_steps, args.tuning_seed,
                       tuple(args.seeds), args.out, args.tuned_from, tuple(args.methods),
                       None if args.given is None else json.loads(args.given.read_text()), args.outer, args.forms,
-                      tuple(args.inner_steps_grid), args.dry_run, points)
+                      tuple(args.inner_steps_grid), args.dry_run, points, args.batch_size)
         if args.dry_run:
             return
     plot(args.out)

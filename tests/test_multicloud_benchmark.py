@@ -513,3 +513,24 @@ def test_points_cut_each_method_s_grid_and_are_recorded_with_the_protocol(tmp_pa
     with pytest.raises(SystemExit):  # a tuning's shape does not go with --tuned-from (the source's choices run)
         mc.main(["--workers", "8", "--scenarios", "two_clusters", "--steps", "40", "--tuned-from", "4",
                  "--points", "diloco=eta=1.0", "--out", str(tmp_path)])
+
+
+def test_a_batch_size_reaches_every_run_and_a_size_tuned_at_another_batch_is_refused(tmp_path, monkeypatch, capsys):
+    """--batch-size: every run (its own-H points included) trains on that batch, the record says so, the tables
+    name it, and --tuned-from refuses a source tuned at another batch."""
+    calls = []
+    monkeypatch.setattr(mc, "run_sim", lambda overrides, out: calls.append(overrides) or _stand_in_run(overrides, out))
+    mc.main(["--workers", "4", "--scenarios", "two_clusters", "--steps", "40", "--inner-steps-grid", "10", "20",
+             "--methods", "diloco", "--batch-size", "4", "--out", str(tmp_path)])
+    assert calls and all("data.batch_size=4" in call for call in calls)
+    assert {next(o for o in call if o.startswith("trainer.val_check_interval=")) for call in calls} == {
+        "trainer.val_check_interval=10", "trainer.val_check_interval=20"}  # each H still validates at its rounds
+    record = json.loads((tmp_path / "multicloud_n4.json").read_text())["scenarios"]["two_clusters"]
+    assert record["batch_size"] == 4
+    mc.main(["--markdown", "--out", str(tmp_path)])
+    assert "60 steps of batch 4, H tuned over [10, 20]" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="tuned with --batch-size 4, not None"):
+        mc.main(["--workers", "6", "--scenarios", "two_clusters", "--steps", "40", "--tuned-from", "4",
+                 "--methods", "diloco", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        mc.main(["--workers", "4", "--batch-size", "0", "--out", str(tmp_path)])
