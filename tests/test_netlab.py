@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from app_utils import CONF
 import gasloc_lightning.app.netlab as netlab_app
+from gasloc_lightning.app.elastic import worker_config
 import gasloc_lightning.netlab.lab as lab_module
 from gasloc_lightning.netlab import (Fault, FaultSchedule, LabError, LabPlan, check_can_build, parse_faults,
                                      plan_lab, why_no_lab)
@@ -475,3 +476,18 @@ def test_why_no_lab_says_why_and_leaves_nothing_behind(monkeypatch):
     assert _system_namespaces() == before
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert "needs root" in why_no_lab()
+
+
+def test_in_elastic_mode_a_two_level_topology_gets_the_labs_sites_as_its_regions_and_each_worker_its_site():
+    plan = plan_lab(_preset("two_clusters"), workers=4, bandwidth_scale=0.01)
+    lab_cfg = _compose("netlab/app", ["netlab.mode=elastic", "network=two_clusters", "topology=two_level",
+                                      "elastic.workers=4"])
+    elastic_cfg = netlab_app._elastic_config(lab_cfg, plan)
+    assert list(elastic_cfg.topology.regions) == list(plan.worker_sites) and len(set(plan.worker_sites)) == 2
+    for worker, site in enumerate(plan.worker_sites):
+        node = worker_config(elastic_cfg, worker, "127.0.0.1:1", "unused").strategy
+        assert node["_target_"].endswith("ElasticTwoLevelStrategy") and node["topology"]["regions"][worker] == site
+    given = netlab_app._elastic_config(_compose("netlab/app", [
+        "netlab.mode=elastic", "network=two_clusters", "topology=two_level", "elastic.workers=4",
+        "topology.regions=[a,b,a,b]"]), plan)
+    assert list(given.topology.regions) == ["a", "b", "a", "b"]  # the user's own

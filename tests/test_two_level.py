@@ -389,7 +389,7 @@ def test_the_one_level_strategies_refuse_the_two_level_topology_rather_than_run_
         GASLoCStrategy(topology=topology, inner_steps=2).check_configuration(4)
     elastic = ElasticGASLoCStrategy(lighthouse="127.0.0.1:29510", worker_id=0, min_workers=4, max_workers=4,
                                     topology=topology, inner_steps=2, secret="test-run-secret-16")
-    with pytest.raises(ValueError, match="two_level.*gasloc-sim"):
+    with pytest.raises(ValueError, match="two_level.*ElasticTwoLevelStrategy"):
         elastic.check_configuration(1)
 
 

@@ -212,6 +212,23 @@ class TwoLevelRound:
             self.correction.zero_()
         return self.region_start.detach()
 
+    @torch.no_grad()
+    def region_tensors(self) -> list[Tensor]:
+        """Every tensor of this rank's two-level state, in a fixed order, as live references: the region point, b_A,
+        phi_A and x_A (with ``cross_overlap`` also C_A and the last landed mix). All members of a region hold the
+        same values; an engine whose members come and go copies them from one member to the others (the elastic
+        mode after a heal). b_A is created at zero when it does not exist yet, which changes no step: SGD's first
+        step from a zero buffer is its first step without one."""
+        if self.rule.region_momentum > 0 and self.momentum_buffer is None:
+            self._region_sgd.state[self.region_start]["momentum_buffer"] = torch.zeros_like(self.region_start)
+        tensors = [self.region_start.data]
+        if self.momentum_buffer is not None:
+            tensors.append(self.momentum_buffer)
+        tensors += [self.cross.round_start, self.cross.anchor]
+        if self.rule.cross_overlap:
+            tensors += [self.correction, self._arrived]
+        return tensors
+
     @property
     def momentum_buffer(self) -> Tensor | None:
         """b_A (None before the first step or without momentum)."""

@@ -884,7 +884,14 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
     if tensorboard_nodes(run):  # one TensorBoard for the whole run; output_dir is read only then (it may be unset)
         place_worker_tensorboard(run, run_dir=cfg.output_dir, worker=worker)
     strategy = {key: run.strategy[key] for key in _GASLOC_KEYS if key in run.strategy}
-    if elastic.method == "gasloc":
+    topology = run.strategy.get("topology", run.topology)
+    if is_two_level(topology):  # its regions' list is indexed by worker id: scaled to the launched workers
+        strategy["_target_"] = "gasloc_lightning.strategies.elastic_two_level.ElasticTwoLevelStrategy"
+        strategy["topology"] = {**topology, **({"scale_to": elastic.workers} if topology.get("sizes") else {})}
+        strategy.pop("outer_form", None)  # the region step is DiLoCo's, the crossing anchored
+        if strategy.get("outer_momentum") is None:
+            strategy.pop("outer_momentum", None)  # DiLoCo's 0.9 inside a region
+    elif elastic.method == "gasloc":
         strategy["_target_"] = "gasloc_lightning.strategies.elastic.ElasticGASLoCStrategy"
         strategy["topology"] = run.strategy.get("topology", run.topology)
     else:
@@ -911,6 +918,12 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
     if run.data.get("_target_") == "gasloc_lightning.data.ByteDataModule":
         run.data._target_ = "gasloc_lightning.app.elastic_worker.SharedValidationData"
     return run
+
+
+def is_two_level(topology: Any) -> bool:
+    """Whether a topology node builds a two-level topology (``topology=two_level`` or ``hierarchical``)."""
+    return hasattr(topology, "get") and str(topology.get("_target_", "")).startswith(
+        "gasloc_lightning.topology.regions.TwoLevelTopology")
 
 
 def chaos_schedule(cfg: DictConfig) -> list[ChaosEvent]:
@@ -978,8 +991,14 @@ def check_elastic(cfg: DictConfig) -> None:
     if elastic.lighthouse is not None and any(event.action == "lighthouse" for event in chaos_schedule(cfg)):
         raise ValueError("elastic.chaos: lighthouse@STEP needs the lighthouse the launcher starts (elastic.lighthouse="
                          f"{elastic.lighthouse!r} is not)")
-    if cfg.strategy.get("_target_", "").rsplit(".", 1)[-1] not in ("GASLoCStrategy", "DiLoCoStrategy"):
-        raise ValueError("gasloc-elastic builds its strategy from strategy=gasloc or strategy=diloco settings")
+    target = cfg.strategy.get("_target_", "").rsplit(".", 1)[-1]
+    if target not in ("GASLoCStrategy", "DiLoCoStrategy", "TwoLevelStrategy"):
+        raise ValueError("gasloc-elastic builds its strategy from strategy=gasloc, diloco or two_level settings")
+    two_level = is_two_level(cfg.strategy.get("topology", cfg.get("topology")))
+    if (target == "TwoLevelStrategy" or two_level) and (elastic.method != "gasloc" or not two_level):
+        raise ValueError("the two-level round in gasloc-elastic: topology=two_level or hierarchical with "
+                         f"elastic.method=gasloc (got elastic.method={elastic.method!r}, topology "
+                         f"{'two-level' if two_level else 'not two-level'})")
     chaos_schedule(cfg)
 
 

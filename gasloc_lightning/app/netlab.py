@@ -48,7 +48,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import NetlabSchema, check_choices, config_dir
 from gasloc_lightning.app.elastic import (ELASTIC_SUMMARY_FILE, ElasticAppSchema, ElasticInterrupted, ElasticRun,
-                                          check_elastic, max_workers_of, print_table, raise_if_failed)
+                                          check_elastic, is_two_level, max_workers_of, print_table,
+                                          raise_if_failed)
 from gasloc_lightning.app.run_tensorboard import LauncherSeries
 from gasloc_lightning.app.split import SPLIT_EXIT_CODE, SplitRunError, raise_if_split
 from gasloc_lightning.app.train import check_budget
@@ -226,6 +227,9 @@ def _elastic_config(cfg: DictConfig, plan: LabPlan) -> DictConfig:
               f"{max_workers_of(elastic)} workers (netlab.majority_quorum=true): one side of a partition trains",
               flush=True)
         elastic_cfg.elastic.min_workers = floor
+    topology = elastic_cfg.get("topology") or {}
+    if is_two_level(topology) and topology.get("regions") is None:  # the lab's sites are the regions (any sizes: the
+        elastic_cfg.topology.regions = list(plan.worker_sites)      # elastic round mixes the regions' points)
     check_choices(elastic_cfg)
     check_budget(elastic_cfg.trainer)
     check_elastic(elastic_cfg)

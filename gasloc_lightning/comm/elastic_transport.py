@@ -301,27 +301,33 @@ class ElasticTransport:
         self.counters.exchanges += 1
         return tensor
 
-    def all_reduce_sum(self, tensor: Tensor) -> tuple[int, ...]:
-        """In-place sum of a small control tensor (contiguous, 1-D) over the admitted members, neither counted as an
-        exchange nor as a failure here (the caller decides); returns the admitted quorum indices."""
-        return self._all_reduce_sum(tensor)
+    def all_reduce_sum(self, tensor: Tensor, members: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """In-place sum of ``tensor`` (contiguous, 1-D) over the admitted members, or over those of them in ``members``
+        (quorum indices, this worker's own among them: a ring over that subset alone, e.g. one region), neither
+        counted as an exchange nor as a failure here (the caller decides and counts the bytes); returns the quorum
+        indices that took part. ``RuntimeError`` if one of them failed (``tensor`` is then undefined)."""
+        return self._all_reduce_sum(tensor, members=members)
 
-    def _all_reduce_sum(self, tensor: Tensor, *, least: int = 1) -> tuple[int, ...]:
-        """Sum ``tensor`` in place over the admitted members; returns them. ``RuntimeError`` when fewer than
-        ``least`` are admitted (a mean over this worker alone is no average: it must not pass for one)."""
+    def _all_reduce_sum(self, tensor: Tensor, *, least: int = 1,
+                        members: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Sum ``tensor`` in place over the admitted members (those in ``members`` if given); returns them.
+        ``RuntimeError`` when fewer than ``least`` are admitted (a mean over this worker alone is no average: it
+        must not pass for one)."""
         from torch.distributed import AllreduceOptions, ReduceOp
 
         quorum = self.membership.quorum
         if not quorum.usable:
             raise RuntimeError(f"unusable quorum: {quorum.error}")
         ring = self.admitted()
+        if members is not None:
+            ring = tuple(index for index in ring if index in members)
         self._collectives += 1
         if len(ring) < least:
             raise RuntimeError(f"only {len(ring)} of the quorum's {quorum.size} members admitted (at least {least} "
                                "needed): the others were refused or did not attest in time")
         if len(ring) <= 1:
             return ring
-        if self.message_auth is None and len(ring) == quorum.size:
+        if self.message_auth is None and members is None and len(ring) == quorum.size:
             options = AllreduceOptions()
             options.reduceOp = ReduceOp.SUM
             self.membership.process_group.allreduce([tensor], options).wait(timedelta(seconds=self.timeout))

@@ -346,9 +346,10 @@ class ElasticGASLoCStrategy(GASLoCStrategy):
                 f"{type(self).__name__} runs one process per worker (Lightning's world is the worker): "
                 f"set devices=1 and num_nodes=1, got a world of {world_size} processes"
             )
-        if self._topology.name == "two_level":  # its round (algorithm/two_level.py) is not wired here: refuse, not run
-            raise ValueError("topology two_level runs the two-level round, which the elastic mode does not wire yet "
-                             "(gasloc-sim runs it; docs/algorithm.md section 8a)")
+        if self._topology.name == "two_level":  # its round (algorithm/two_level.py) is another strategy's
+            raise ValueError("topology two_level runs the two-level round: use ElasticTwoLevelStrategy "
+                             "(strategies/elastic_two_level.py; gasloc-elastic picks it for topology=two_level or "
+                             "hierarchical)")
         sizes = range(max(2, self._min_workers), self._max_workers + 1)
         for n in sizes:
             self._topology.check_world_size(n)

@@ -1,0 +1,258 @@
+"""The two-level round's moves over an elastic quorum: regions learned per quorum, region means, region-state copies
+and shard-parallel crossings, on :class:`~gasloc_lightning.comm.elastic_transport.ElasticTransport`.
+
+:class:`~gasloc_lightning.algorithm.two_level.TwoLevelRound` holds the arithmetic; the multi-process engine
+(:mod:`gasloc_lightning.comm.two_level`) knows every rank's region from the start. Here members come and go, so:
+
+- **Regions are learned at every quorum.** Each worker declares its region (a label: ``eu-west``, a host name, a
+  number). Right after a quorum forms, every admitted member adds a key of its label, and whether its two-level state
+  is its region's, into its own slot of a small control vector (an all-reduce over the quorum). Every member then
+  derives the same :class:`QuorumRegions`: regions in the order of their keys, each region's members in quorum order.
+- **A region's members hold one state.** A member whose state may differ from its region's (it joined or rejoined:
+  it took a peer's state, perhaps another region's; or a collective of its last round failed) is *unsettled*. When a
+  quorum has one, every region copies the state of one settled member (its first; the first member where none is)
+  to the others: a sum over the region in which only that member contributes. Every region does it whenever one
+  does, so all members run the same collectives.
+- **Region mean:** a ring all-reduce over the region's members only (over its fast links).
+- **Cross mean** (hierarchical DiLoCo): the quorum's all-reduce over every member (the mean over workers).
+- **Cross gossip** (two-level GASLoC): the regions' mixing W_R for the round (the topology's region graph over the
+  regions present) is applied to the regions' points. Every member of region A holds u_A, so with s = the smallest
+  region's size, member l < s of A sends only the l-th of s shards of u_A to member l of each paired region, mixes
+  that shard, and the region then gathers the mixed shards (a sum over the region in which each member contributes
+  its own). The slow link carries each region's point once per pair, over s parallel flows.
+  With regions of equal sizes this is the multi-process engine's crossing; with unequal sizes the regions' points,
+  not the ranks', are mixed (each region stays one point), so the mean over regions is what the gossip preserves.
+
+On failure nothing raises from here but :class:`~gasloc_lightning.comm.elastic_transport.ElasticCollectiveError`
+from a region or cross collective (the strategy keeps its own values and becomes unsettled); a failed shard exchange
+keeps this region's own shard (the pair's weight stays on the diagonal) and is counted in the transport's
+``failed_exchanges``.
+
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
+from gasloc_lightning.comm.message_auth import TAG_BYTES, context, tag_bytes, tag_tensor
+from gasloc_lightning.comm.ring import UnauthenticMessageError, wait_all
+from gasloc_lightning.comm.transport import ring_all_reduce_bytes
+
+__all__ = ["ElasticRegions", "QuorumRegions", "region_key"]
+
+# Gloo tag offsets of the shard exchange (ElasticTransport: 0-3, the elastic quantized mean: 4 and 5; TAG_SPAN 8).
+_SHARD, _SHARD_TAG = 6, 7
+_KEY_LIMIT = 1 << 52  # keys travel in float64-exact int64 slots
+
+
+def region_key(label: Hashable) -> int:
+    """The key of a region label, the same on every machine (never 0: a 0 slot is a member that did not take part)."""
+    digest = hashlib.blake2b(str(label).encode(), digest_size=8, person=b"gasloc-region").digest()
+    return int.from_bytes(digest, "big") % (_KEY_LIMIT - 1) + 1
+
+
+@dataclass(frozen=True)
+class QuorumRegions:
+    """The regions of one quorum's admitted members, the same on every member.
+
+    Args:
+        members: the quorum indices of every region's members (regions ordered by key, members in quorum order).
+        keys: every region's key.
+        unsettled: the members whose two-level state may not be their region's.
+    """
+
+    members: tuple[tuple[int, ...], ...]
+    keys: tuple[int, ...]
+    unsettled: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_slots(cls, keys: Sequence[int], unsettled: Sequence[int]) -> QuorumRegions:
+        """From the control vector's two columns (one row per quorum index; key 0: not admitted)."""
+        regions: dict[int, list[int]] = {}
+        for index, key in enumerate(keys):
+            if key:
+                regions.setdefault(int(key), []).append(index)
+        ordered = sorted(regions)
+        return cls(members=tuple(tuple(regions[key]) for key in ordered), keys=tuple(ordered),
+                   unsettled=frozenset(index for index, flag in enumerate(unsettled) if flag and keys[index]))
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.members)
+
+    @property
+    def shards(self) -> int:
+        """s: the smallest region's size, the number of shards a crossing splits a region's point into."""
+        return min(map(len, self.members))
+
+    def region_of(self, index: int) -> int:
+        for region, members in enumerate(self.members):
+            if index in members:
+                return region
+        raise ValueError(f"quorum index {index} is in no region of this quorum (not admitted)")
+
+    def local_index(self, index: int) -> int:
+        return self.members[self.region_of(index)].index(index)
+
+    @property
+    def needs_copy(self) -> bool:
+        """Whether the regions copy one member's state to the others at this quorum (some member is unsettled)."""
+        return bool(self.unsettled)
+
+    def source(self, region: int) -> int:
+        """The member whose state ``region`` takes: its first settled member, else its first."""
+        members = self.members[region]
+        return next((index for index in members if index not in self.unsettled), members[0])
+
+
+class ElasticRegions:
+    """This worker's region and the two-level moves over its transport's quorum.
+
+    Args:
+        transport: the worker's elastic transport (its quorum, process group and authenticators).
+        label: this worker's region.
+    """
+
+    def __init__(self, transport: ElasticTransport, label: Hashable) -> None:
+        if isinstance(label, bool) or not isinstance(label, (int, str)) or label == "":
+            raise ValueError(f"region must be a non-empty name or an int, got {label!r}")
+        self.transport, self.label, self.key = transport, label, region_key(label)
+        self.bytes_region = 0.0
+        self.bytes_cross = 0.0
+        self._received: Tensor | None = None
+
+    def level_bytes(self) -> dict[str, float]:
+        """Bytes this worker sent at each level, so far (the round callback logs them)."""
+        return {"comm/bytes_region": self.bytes_region, "comm/bytes_cross": self.bytes_cross}
+
+    # ------------------------------------------------------------------ per quorum
+    def learn(self, settled: bool) -> QuorumRegions:
+        """Every admitted member's region and whether its state is its region's (a control all-reduce over the
+        quorum, which every member runs right after the quorum forms). Raises ``RuntimeError`` if it fails."""
+        quorum = self.transport.membership.quorum
+        slots = torch.zeros(quorum.size, 2, dtype=torch.int64)
+        slots[quorum.index, 0] = self.key
+        slots[quorum.index, 1] = 0 if settled else 1
+        self.transport.all_reduce_sum(slots.view(-1))
+        return QuorumRegions.from_slots(slots[:, 0].tolist(), slots[:, 1].tolist())
+
+    def copy_state(self, regions: QuorumRegions, tensors: list[Tensor]) -> None:
+        """Every member of this worker's region takes its source's ``tensors`` (see :meth:`QuorumRegions.source`).
+        Raises :class:`ElasticCollectiveError` if a member failed (the tensors are then undefined)."""
+        me = self.transport.rank
+        region = regions.region_of(me)
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if regions.source(region) == me else \
+            torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+        self._region_sum(flat, regions.members[region])
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    # ------------------------------------------------------------------ per round
+    def region_mean_(self, regions: QuorumRegions, tensor: Tensor) -> Tensor:
+        """In-place mean of ``tensor`` over this worker's region. :class:`ElasticCollectiveError` on failure."""
+        members = regions.members[regions.region_of(self.transport.rank)]
+        self._region_sum(tensor, members)
+        return tensor.div_(len(members))
+
+    def cross_mean_(self, tensor: Tensor) -> Tensor:
+        """In-place mean of ``tensor`` over every admitted member (hierarchical DiLoCo's crossing)."""
+        before = self.transport.counters.bytes_sent
+        self.transport.all_reduce_mean(tensor, round_exchange=True)
+        self.bytes_cross += self.transport.counters.bytes_sent - before
+        return tensor
+
+    def cross_gossip(self, regions: QuorumRegions, u: Tensor, weights: Mapping[int, float], out: Tensor,
+                     round_index: int) -> list[int]:
+        """``out = sum_B W_R[A, B] u_B`` for this worker's region A, from the region weights ``weights``
+        (paired region index -> w, as a topology's ``mixing_weights``; A's own is the rest), shard-parallel (module docstring). Returns the quorum indices whose
+        shard did not arrive (their weight stayed on this region's own shard). :class:`ElasticCollectiveError` if
+        the gather inside the region fails (``out`` is then undefined)."""
+        transport = self.transport
+        me = transport.rank
+        region, local = regions.region_of(me), regions.local_index(me)
+        s, numel = regions.shards, u.numel()
+        out.zero_()
+        failed: list[int] = []
+        if local < s:
+            lo, hi = numel * local // s, numel * (local + 1) // s
+            peers = {regions.members[b][local]: w for b, w in weights.items() if b != region and w}
+            shard = out[lo:hi]
+            shard.copy_(u[lo:hi]).mul_(1.0 - sum(peers.values()))
+            received, failed = self._exchange(u[lo:hi], peers, round_index)
+            for peer, weight in peers.items():
+                shard.add_(received[peer] if peer in received else u[lo:hi], alpha=weight)
+        self._region_sum(out, regions.members[region], level="cross")  # the gather: shards are disjoint
+        return failed
+
+    # ------------------------------------------------------------------ moves
+    def _region_sum(self, tensor: Tensor, members: tuple[int, ...], level: str = "region") -> None:
+        transport = self.transport
+        try:
+            ring = transport.all_reduce_sum(tensor, members=members)
+        except Exception as error:
+            transport.failed_collectives += 1
+            transport.error = transport.error or error
+            raise ElasticCollectiveError(f"{level} all-reduce over {len(members)} members failed: {error}") from error
+        volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), len(ring))
+        transport.counters.bytes_sent += volume
+        transport.counters.bytes_received += volume
+        self.bytes_region += volume  # a crossing's gather of the mixed shards travels inside the region too
+
+    def _exchange(self, shard: Tensor, peers: Mapping[int, float], round_index: int
+                  ) -> tuple[dict[int, Tensor], list[int]]:
+        """Send ``shard`` to every peer and receive theirs (all posted before any wait, so no cycle of pairs can
+        deadlock), each with its keyed tag when messages are authenticated; returns the shards that arrived intact
+        and the peers that failed (counted)."""
+        transport = self.transport
+        pg, quorum, auth = transport.membership.process_group, transport.membership.quorum, transport.message_auth
+        admitted = transport.admitted()
+        buffers = {peer: torch.empty_like(shard) for peer in peers}
+        tags_in = {peer: torch.zeros(TAG_BYTES, dtype=torch.uint8) for peer in peers}
+        works: dict[int, list] = {}
+        deadline = time.monotonic() + transport.timeout
+        for peer in sorted(peers):
+            if peer not in admitted:
+                continue
+            try:
+                works[peer] = [pg.recv([buffers[peer]], peer, transport.gloo_tag(_SHARD)),
+                               pg.send([shard.contiguous()], peer, transport.gloo_tag(_SHARD))]
+                if auth is not None:
+                    works[peer].append(pg.recv([tags_in[peer]], peer, transport.gloo_tag(_SHARD_TAG)))
+                    tag = tag_tensor(auth.tag(shard.contiguous(), self._use(round_index, me=quorum.index, to=peer)))
+                    works[peer].append(pg.send([tag], peer, transport.gloo_tag(_SHARD_TAG)))
+            except Exception as error:  # noqa: BLE001 - an unconfigured group raises AssertionError
+                works[peer] = []
+                transport.error = transport.error or error
+        received, failed = {}, []
+        for peer in sorted(peers):
+            failure = wait_all(works[peer], deadline) if works.get(peer) else RuntimeError("not sent (refused or "
+                                                                                          "unconfigured)")
+            if failure is None and auth is not None and not auth.verify(
+                    buffers[peer], self._use(round_index, me=peer, to=quorum.index), tag_bytes(tags_in[peer])):
+                transport.unauthentic_messages += 1
+                failure = UnauthenticMessageError("the shard's tag failed (dropped, not mixed in)")
+            if failure is None:
+                received[peer] = buffers[peer]
+                self.bytes_cross += shard.numel() * shard.element_size()
+                transport.counters.bytes_sent += shard.numel() * shard.element_size()
+                transport.counters.bytes_received += shard.numel() * shard.element_size()
+            else:
+                failed.append(peer)
+                transport.failed_exchanges += 1
+                transport.error = transport.error or failure
+        return received, failed
+
+    def _use(self, round_index: int, *, me: int, to: int) -> bytes:
+        quorum = self.transport.membership.quorum
+        return context("cross-shard", quorum.quorum_id, self.transport.agreement_digest, round_index,
+                       quorum.members[me], quorum.members[to])
