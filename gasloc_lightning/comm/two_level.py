@@ -180,15 +180,16 @@ class RegionTransport:
         chunk = math.ceil(numel / self.size)
         padded = torch.zeros(chunk * self.size, dtype=torch.float32, device=message.device)
         torch.sub(message, reference, out=padded[:numel])
-        base = torch.zeros_like(padded)
-        base[:numel].copy_(reference)
         if self._encoded is None:
             self._encoded = EncodedAllReduce(self._codec_name, chunk, self.regions.num_regions, message.device)
-        shards, bases = padded.view(self.size, chunk), base.view(self.size, chunk)
+        shards = padded.view(self.size, chunk)
         own = shards[self.local_index]
         self._encoded.encode(own)
         self._encoded.exchange(self._column)
-        mean = self._encoded.decode(torch.empty_like(own)).add_(bases[self.local_index])
+        mean = self._encoded.decode(torch.empty_like(own))
+        lo = self.local_index * chunk  # the reference is added back to this rank's own shard only (its padding: 0)
+        covered = max(0, min(numel, lo + chunk) - lo)
+        mean[:covered].add_(reference[lo: lo + covered])
         self.bytes_cross += self._encoded.volume
         if self.size > 1:
             dist.all_gather(list(shards.unbind(0)), mean, group=self.group)
