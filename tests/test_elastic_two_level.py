@@ -13,6 +13,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchft")
 
@@ -64,16 +65,20 @@ def _local_losses(out: Path, worker: int) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_without_churn_the_elastic_two_level_round_ends_on_the_simulators_loss(tmp_path, cache_dir):
-    steps = 60  # 12 rounds, 6 crossings (K = 2) of the shard-parallel gossip between the two regions
+@pytest.mark.parametrize("regions", ["[0,0,1,1]", "[0,1,2,3]"], ids=["two_regions_of_two", "four_regions_of_one"])
+def test_without_churn_the_elastic_two_level_round_ends_on_the_simulators_loss(tmp_path, cache_dir, regions):
+    """Two regions of two: the shard-parallel gossip (2 shards) between them. Four regions of one: a random matching
+    of the regions drawn per crossing (t // K), in the topology's region order, as the simulator draws it."""
+    steps = 60  # 12 rounds, 6 crossings (K = 2)
     budget = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "topology=two_level",
-              "topology.cross_every=2"]
+              "topology.cross_every=2", f"topology.regions={regions}"]
     rows = _elastic(budget, tmp_path / "elastic", cache_dir)
     assert all(row["exit_code"] == 0 and row["final_step"] == steps for row in rows), rows
     assert len({row["val_loss"] for row in rows}) == 1  # one consensus
     with open(tmp_path / "elastic" / "worker_0" / "csv" / "metrics.csv", newline="") as handle:
         last = [row for row in csv.DictReader(handle) if row.get("comm/bytes_cross")][-1]
-    assert float(last["comm/bytes_cross"]) > 0 and float(last["comm/bytes_region"]) > 0  # both levels logged
+    # both levels logged; a region of one worker sends nothing inside it
+    assert float(last["comm/bytes_cross"]) > 0 and (float(last["comm/bytes_region"]) > 0) == (regions == "[0,0,1,1]")
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         sim_cfg = compose(config_name="sim/app", overrides=[
@@ -133,6 +138,48 @@ def test_the_launcher_gives_each_worker_its_region_and_refuses_what_the_elastic_
             check_elastic(diloco)
 
 
+class _Transport:
+    """A stand-in for the elastic transport where a member's own view goes wrong: the sum its all-reduce returns, and
+    which members took part (the admitted set shrinks when the agreement cannot be read)."""
+
+    def __init__(self, index: int, size: int, took_part: tuple[int, ...], add=None) -> None:
+        from types import SimpleNamespace
+
+        from gasloc_lightning.comm.transport import TrafficCounters
+
+        self.membership = SimpleNamespace(quorum=SimpleNamespace(index=index, size=size))
+        self.rank, self.timeout, self.counters = index, 1.0, TrafficCounters()
+        self.took_part, self.add = took_part, add
+        self.failed_collectives = self.unauthentic_messages = 0
+        self.error = None
+
+    def all_reduce_sum(self, tensor, members=None, *, channel=None, least=1, deadline=None):
+        if self.add is not None:
+            tensor.add_(self.add)
+        return self.took_part
+
+
+def test_a_region_sum_over_fewer_than_its_members_or_forged_control_slots_fail_and_change_nothing():
+    from gasloc_lightning.comm.elastic_regions import ElasticRegions
+    from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError
+
+    alone = _Transport(1, 2, took_part=(1,))  # the region is (0, 1): the source, 0, did not take part
+    view = QuorumRegions.from_slots([region_key("eu"), region_key("eu")], [0, 1])
+    state = [torch.full((3,), 8.0)]
+    with pytest.raises(ElasticCollectiveError, match="only 1 of the region's 2 members"):
+        ElasticRegions(alone, "eu").copy_state(view, state)
+    assert state[0].tolist() == [8.0, 8.0, 8.0] and alone.failed_collectives == 1  # not zeroed: kept, counted
+    with pytest.raises(ElasticCollectiveError):
+        ElasticRegions(alone, "eu").region_mean_(view, torch.full((3,), 8.0))
+    forged = torch.zeros(2, 2, dtype=torch.int64)
+    forged[0, 0] = 5  # another member wrote into member 0's slot
+    writer = _Transport(0, 2, took_part=(0, 1), add=forged.view(-1))
+    with pytest.raises(ElasticCollectiveError, match="not what the members wrote"):
+        ElasticRegions(writer, "eu").learn(settled=True)
+    with pytest.raises(ElasticCollectiveError, match="not what the members wrote"):  # a slot of a member outside
+        ElasticRegions(_Transport(0, 3, took_part=(0, 1), add=torch.tensor([0, 0, 0, 0, 7, 0])), "eu").learn(True)
+
+
 def test_every_member_derives_the_same_regions_and_sources_from_the_control_slots():
     eu, us, asia = region_key("eu-west"), region_key("us-east"), region_key(3)
     assert region_key("eu-west") == eu and len({eu, us, asia}) == 3 and 0 not in (eu, us, asia)
@@ -149,3 +196,5 @@ def test_every_member_derives_the_same_regions_and_sources_from_the_control_slot
     assert not QuorumRegions.from_slots([eu, us], [0, 0]).needs_copy
     with pytest.raises(ValueError, match="in no region"):
         view.region_of(4)
+    ordered = QuorumRegions.from_slots([us, eu, asia], [0, 0, 0], order={us: 0, eu: 1})  # the topology's order
+    assert ordered.keys == (us, eu, asia)  # listed regions first, in its order; the unlisted after

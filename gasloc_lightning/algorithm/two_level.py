@@ -251,6 +251,9 @@ class TwoLevelRound:
         with torch.no_grad():
             self.region_start.copy_(state["region_start"])
         self._region_sgd.load_state_dict(state["region_optimizer"])
+        for group in self._region_sgd.param_groups:  # the step is this rule's, whatever the saved groups say
+            group.update(lr=self.rule.region_lr, momentum=self.rule.region_momentum, dampening=0.0,
+                         nesterov=self.rule.region_momentum > 0, weight_decay=0.0)
         self.cross.load_state_dict(state["cross"])
         if self.rule.cross_overlap:  # saved without the delayed crossing: nothing was pending, a zero correction
             self.correction.copy_(state["correction"]) if "correction" in state else self.correction.zero_()

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from gasloc_lightning.app.config import TrainSchema, check_choices, config_dir
@@ -887,7 +888,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
     topology = run.strategy.get("topology", run.topology)
     if is_two_level(topology):  # its regions' list is indexed by worker id: scaled to the launched workers
         strategy["_target_"] = "gasloc_lightning.strategies.elastic_two_level.ElasticTwoLevelStrategy"
-        strategy["topology"] = {**topology, **({"scale_to": elastic.workers} if topology.get("sizes") else {})}
+        strategy["topology"] = two_level_node(topology, elastic.workers)
         strategy.pop("outer_form", None)  # the region step is DiLoCo's, the crossing anchored
         if strategy.get("outer_momentum") is None:
             strategy.pop("outer_momentum", None)  # DiLoCo's 0.9 inside a region
@@ -924,6 +925,15 @@ def is_two_level(topology: Any) -> bool:
     """Whether a topology node builds a two-level topology (``topology=two_level`` or ``hierarchical``)."""
     return hasattr(topology, "get") and str(topology.get("_target_", "")).startswith(
         "gasloc_lightning.topology.regions.TwoLevelTopology")
+
+
+def two_level_node(topology: Any, workers: int) -> dict[str, Any]:
+    """A two-level topology node for the workers: regions from a clustered network's sizes are scaled to the launched
+    workers (the list is indexed by worker id), not to ``trainer.devices``."""
+    node = dict(OmegaConf.to_container(topology, resolve=True) if isinstance(topology, DictConfig) else topology)
+    if node.get("sizes"):
+        node["scale_to"] = workers
+    return node
 
 
 def chaos_schedule(cfg: DictConfig) -> list[ChaosEvent]:
@@ -994,11 +1004,18 @@ def check_elastic(cfg: DictConfig) -> None:
     target = cfg.strategy.get("_target_", "").rsplit(".", 1)[-1]
     if target not in ("GASLoCStrategy", "DiLoCoStrategy", "TwoLevelStrategy"):
         raise ValueError("gasloc-elastic builds its strategy from strategy=gasloc, diloco or two_level settings")
-    two_level = is_two_level(cfg.strategy.get("topology", cfg.get("topology")))
-    if (target == "TwoLevelStrategy" or two_level) and (elastic.method != "gasloc" or not two_level):
+    topology = cfg.strategy.get("topology", cfg.get("topology"))
+    two_level = is_two_level(topology)
+    if (target == "TwoLevelStrategy" or two_level) and (elastic.method != "gasloc" or not two_level
+                                                        or target == "DiLoCoStrategy"):
         raise ValueError("the two-level round in gasloc-elastic: topology=two_level or hierarchical with "
-                         f"elastic.method=gasloc (got elastic.method={elastic.method!r}, topology "
-                         f"{'two-level' if two_level else 'not two-level'})")
+                         f"strategy=gasloc or two_level and elastic.method=gasloc (got strategy {target}, "
+                         f"elastic.method={elastic.method!r}, topology {'two-level' if two_level else 'not two-level'})")
+    if two_level:  # its regions: checked here, not in every worker
+        try:
+            instantiate(two_level_node(topology, elastic.workers))
+        except Exception as error:  # noqa: BLE001 - Hydra wraps the topology's own error
+            raise ValueError(f"topology: {getattr(error, '__cause__', None) or error}") from None
     chaos_schedule(cfg)
 
 

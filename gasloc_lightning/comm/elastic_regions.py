@@ -6,8 +6,9 @@ and shard-parallel crossings, on :class:`~gasloc_lightning.comm.elastic_transpor
 
 - **Regions are learned at every quorum.** Each worker declares its region (a label: ``eu-west``, a host name, a
   number). Right after a quorum forms, every admitted member adds a key of its label, and whether its two-level state
-  is its region's, into its own slot of a small control vector (an all-reduce over the quorum). Every member then
-  derives the same :class:`QuorumRegions`: regions in the order of their keys, each region's members in quorum order.
+  is its region's, into its own slot of a small control vector (an all-reduce over the quorum; slots that are not
+  what honest members write fail it). Every member then derives the same :class:`QuorumRegions`: regions in the
+  order of the topology's region list (labels it does not list after, by key), members in quorum order.
 - **A region's members hold one state.** A member whose state may differ from its region's (it joined or rejoined:
   it took a peer's state, perhaps another region's; or a collective of its last round failed) is *unsettled*. When a
   quorum has one, every region copies the state of one settled member (its first; the first member where none is)
@@ -24,9 +25,11 @@ and shard-parallel crossings, on :class:`~gasloc_lightning.comm.elastic_transpor
   not the ranks', are mixed (each region stays one point), so the mean over regions is what the gossip preserves.
 
 On failure nothing raises from here but :class:`~gasloc_lightning.comm.elastic_transport.ElasticCollectiveError`
-from a region or cross collective (the strategy keeps its own values and becomes unsettled); a failed shard exchange
-keeps this region's own shard (the pair's weight stays on the diagonal) and is counted in the transport's
-``failed_exchanges``.
+from a region or cross collective (the strategy keeps its own values and becomes unsettled). A sum over fewer than
+the region's members is such a failure, never a partial result. A failed shard exchange keeps this region's own shard
+(the pair's weight stays on the diagonal: the region stays one point, but the pair's mean is not kept if only one side
+failed) and is counted in the transport's ``failed_exchanges``. Every kind of ring has its own gloo tags
+(``elastic_transport.CHANNELS``), and the exchange and the gather of a crossing share one deadline.
 
 Nothing here imports Lightning.
 """
@@ -34,6 +37,7 @@ Nothing here imports Lightning.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,13 +46,14 @@ import torch
 from torch import Tensor
 
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError, ElasticTransport
+from gasloc_lightning.comm.flat import all_finite
 from gasloc_lightning.comm.message_auth import TAG_BYTES, context, tag_bytes, tag_tensor
 from gasloc_lightning.comm.ring import UnauthenticMessageError, wait_all
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
 __all__ = ["ElasticRegions", "QuorumRegions", "region_key"]
 
-# Gloo tag offsets of the shard exchange (ElasticTransport: 0-3, the elastic quantized mean: 4 and 5; TAG_SPAN 8).
+# Gloo tag offsets of the shard exchange (the others: comm/elastic_transport.py).
 _SHARD, _SHARD_TAG = 6, 7
 _KEY_LIMIT = 1 << 52  # keys travel in float64-exact int64 slots
 
@@ -74,13 +79,17 @@ class QuorumRegions:
     unsettled: frozenset[int] = frozenset()
 
     @classmethod
-    def from_slots(cls, keys: Sequence[int], unsettled: Sequence[int]) -> QuorumRegions:
-        """From the control vector's two columns (one row per quorum index; key 0: not admitted)."""
+    def from_slots(cls, keys: Sequence[int], unsettled: Sequence[int],
+                   order: Mapping[int, int] | None = None) -> QuorumRegions:
+        """From the control vector's two columns (one row per quorum index; key 0: not admitted). ``order``: the
+        position of known region keys (the topology's region list, so regions are numbered as the simulator numbers
+        them); unknown keys follow, by key."""
         regions: dict[int, list[int]] = {}
         for index, key in enumerate(keys):
             if key:
                 regions.setdefault(int(key), []).append(index)
-        ordered = sorted(regions)
+        order = order or {}
+        ordered = sorted(regions, key=lambda key: (order.get(key, math.inf), key))
         return cls(members=tuple(tuple(regions[key]) for key in ordered), keys=tuple(ordered),
                    unsettled=frozenset(index for index, flag in enumerate(unsettled) if flag and keys[index]))
 
@@ -121,10 +130,11 @@ class ElasticRegions:
         label: this worker's region.
     """
 
-    def __init__(self, transport: ElasticTransport, label: Hashable) -> None:
+    def __init__(self, transport: ElasticTransport, label: Hashable, known: Sequence[Hashable] = ()) -> None:
         if isinstance(label, bool) or not isinstance(label, (int, str)) or label == "":
             raise ValueError(f"region must be a non-empty name or an int, got {label!r}")
         self.transport, self.label, self.key = transport, label, region_key(label)
+        self._order = {region_key(name): position for position, name in enumerate(known)}
         self.bytes_region = 0.0
         self.bytes_cross = 0.0
         self._received: Tensor | None = None
@@ -134,24 +144,39 @@ class ElasticRegions:
         return {"comm/bytes_region": self.bytes_region, "comm/bytes_cross": self.bytes_cross}
 
     # ------------------------------------------------------------------ per quorum
-    def learn(self, settled: bool) -> QuorumRegions:
+    def learn(self, settled: bool, least: int = 2) -> QuorumRegions:
         """Every admitted member's region and whether its state is its region's (a control all-reduce over the
-        quorum, which every member runs right after the quorum forms). Raises ``RuntimeError`` if it fails."""
+        quorum, which every member runs right after the quorum forms). Raises :class:`ElasticCollectiveError` if it
+        fails, if fewer than ``least`` members are admitted, or if the slots are not what honest members write
+        (this worker's own as it wrote it, nothing at a member that did not take part, flags of 0 or 1)."""
         quorum = self.transport.membership.quorum
         slots = torch.zeros(quorum.size, 2, dtype=torch.int64)
         slots[quorum.index, 0] = self.key
         slots[quorum.index, 1] = 0 if settled else 1
-        self.transport.all_reduce_sum(slots.view(-1))
-        return QuorumRegions.from_slots(slots[:, 0].tolist(), slots[:, 1].tolist())
+        own = slots[quorum.index].clone()
+        try:
+            ring = self.transport.all_reduce_sum(slots.view(-1), channel="control", least=least)
+        except Exception as error:
+            raise self._failed("the regions' control all-reduce", error) from error
+        outside = [index for index in range(quorum.size) if index not in ring]
+        if (not torch.equal(slots[quorum.index], own) or bool(slots[outside].any()) or bool((slots[list(ring), 0] <= 0).any())
+                or not set(slots[:, 1].tolist()) <= {0, 1}):
+            error = RuntimeError("the regions' control slots are not what the members wrote (a member wrote outside "
+                                 "its own slot)")
+            raise self._failed("the regions' control all-reduce", error)
+        return QuorumRegions.from_slots(slots[:, 0].tolist(), slots[:, 1].tolist(), self._order)
 
     def copy_state(self, regions: QuorumRegions, tensors: list[Tensor]) -> None:
         """Every member of this worker's region takes its source's ``tensors`` (see :meth:`QuorumRegions.source`).
-        Raises :class:`ElasticCollectiveError` if a member failed (the tensors are then undefined)."""
+        Raises :class:`ElasticCollectiveError` if a member failed or the state is not finite (the tensors are then
+        undefined)."""
         me = self.transport.rank
         region = regions.region_of(me)
         flat = torch.cat([t.reshape(-1) for t in tensors]) if regions.source(region) == me else \
             torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
-        self._region_sum(flat, regions.members[region])
+        self._region_sum(flat, regions.members[region], "copy")
+        if not all_finite(flat):
+            raise self._failed("the region's state copy", RuntimeError("the copied state is not finite"))
         offset = 0
         for t in tensors:
             t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -161,7 +186,7 @@ class ElasticRegions:
     def region_mean_(self, regions: QuorumRegions, tensor: Tensor) -> Tensor:
         """In-place mean of ``tensor`` over this worker's region. :class:`ElasticCollectiveError` on failure."""
         members = regions.members[regions.region_of(self.transport.rank)]
-        self._region_sum(tensor, members)
+        self._region_sum(tensor, members, "mean")
         return tensor.div_(len(members))
 
     def cross_mean_(self, tensor: Tensor) -> Tensor:
@@ -176,8 +201,10 @@ class ElasticRegions:
         """``out = sum_B W_R[A, B] u_B`` for this worker's region A, from the region weights ``weights``
         (paired region index -> w, as a topology's ``mixing_weights``; A's own is the rest), shard-parallel (module docstring). Returns the quorum indices whose
         shard did not arrive (their weight stayed on this region's own shard). :class:`ElasticCollectiveError` if
-        the gather inside the region fails (``out`` is then undefined)."""
+        the gather inside the region fails (``out`` is then undefined). One deadline covers the exchange and the
+        gather: a member whose exchange waited for a hung peer still meets its region's gather in time."""
         transport = self.transport
+        deadline = time.monotonic() + 2 * transport.timeout
         me = transport.rank
         region, local = regions.region_of(me), regions.local_index(me)
         s, numel = regions.shards, u.numel()
@@ -188,27 +215,39 @@ class ElasticRegions:
             peers = {regions.members[b][local]: w for b, w in weights.items() if b != region and w}
             shard = out[lo:hi]
             shard.copy_(u[lo:hi]).mul_(1.0 - sum(peers.values()))
-            received, failed = self._exchange(u[lo:hi], peers, round_index)
+            received, failed = self._exchange(u[lo:hi], peers, round_index, time.monotonic() + transport.timeout)
             for peer, weight in peers.items():
                 shard.add_(received[peer] if peer in received else u[lo:hi], alpha=weight)
-        self._region_sum(out, regions.members[region], level="cross")  # the gather: shards are disjoint
+        self._region_sum(out, regions.members[region], "gather", deadline)  # the gather: shards are disjoint
         return failed
 
     # ------------------------------------------------------------------ moves
-    def _region_sum(self, tensor: Tensor, members: tuple[int, ...], level: str = "region") -> None:
+    def _failed(self, what: str, error: Exception) -> ElasticCollectiveError:
+        """Count a failed collective (once) and say what failed."""
+        transport = self.transport
+        if isinstance(error, UnauthenticMessageError):
+            transport.unauthentic_messages += 1
+        transport.failed_collectives += 1
+        transport.error = transport.error or error
+        return ElasticCollectiveError(f"{what} failed: {error}")
+
+    def _region_sum(self, tensor: Tensor, members: tuple[int, ...], channel: str, deadline: float | None = None
+                    ) -> None:
+        """Sum over every member of ``members``: a sum over fewer (some not admitted: refused, or the agreement
+        unreadable) is a failure, never a partial result."""
         transport = self.transport
         try:
-            ring = transport.all_reduce_sum(tensor, members=members)
+            ring = transport.all_reduce_sum(tensor, members=members, channel=channel, deadline=deadline)
+            if set(ring) != set(members):
+                raise RuntimeError(f"only {len(ring)} of the region's {len(members)} members took part")
         except Exception as error:
-            transport.failed_collectives += 1
-            transport.error = transport.error or error
-            raise ElasticCollectiveError(f"{level} all-reduce over {len(members)} members failed: {error}") from error
+            raise self._failed(f"the region's {channel} all-reduce over {len(members)} members", error) from error
         volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), len(ring))
         transport.counters.bytes_sent += volume
         transport.counters.bytes_received += volume
         self.bytes_region += volume  # a crossing's gather of the mixed shards travels inside the region too
 
-    def _exchange(self, shard: Tensor, peers: Mapping[int, float], round_index: int
+    def _exchange(self, shard: Tensor, peers: Mapping[int, float], round_index: int, deadline: float
                   ) -> tuple[dict[int, Tensor], list[int]]:
         """Send ``shard`` to every peer and receive theirs (all posted before any wait, so no cycle of pairs can
         deadlock), each with its keyed tag when messages are authenticated; returns the shards that arrived intact
@@ -219,7 +258,6 @@ class ElasticRegions:
         buffers = {peer: torch.empty_like(shard) for peer in peers}
         tags_in = {peer: torch.zeros(TAG_BYTES, dtype=torch.uint8) for peer in peers}
         works: dict[int, list] = {}
-        deadline = time.monotonic() + transport.timeout
         for peer in sorted(peers):
             if peer not in admitted:
                 continue

@@ -44,8 +44,13 @@ log = logging.getLogger(__name__)
 # offsets: members whose views of the quorum's agreement differ (a store edited by an attacker) use different tags,
 # so their sends never match each other's receives (a timeout, a failed exchange) instead of a size mismatch
 # (gloo aborts the receiving process on a message longer than the posted receive).
-# (The elastic DiLoCo's quantized mean, comm/elastic_encoded_mean.py, uses offsets 4 and 5; TAG_SPAN is 8.)
+# (The elastic DiLoCo's quantized mean, comm/elastic_encoded_mean.py, uses offsets 4 and 5; the two-level shard
+# exchange, comm/elastic_regions.py, 6 and 7; TAG_SPAN is 16.)
 _GOSSIP, _GOSSIP_TAG, _RING_CHUNK, _RING_TAG = 0, 1, 2, 3
+# The two-level round's rings (chunk, tag), one pair per kind: a member that failed one collective and went on to the
+# next never posts a receive that a neighbour's chunk of another size (still in the first) would overrun, which makes
+# gloo abort the receiving process; it times out instead.
+CHANNELS = {"control": (8, 9), "copy": (10, 11), "mean": (12, 13), "gather": (14, 15)}
 
 
 class ElasticCollectiveError(RuntimeError):
@@ -301,15 +306,24 @@ class ElasticTransport:
         self.counters.exchanges += 1
         return tensor
 
-    def all_reduce_sum(self, tensor: Tensor, members: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    def all_reduce_sum(self, tensor: Tensor, members: tuple[int, ...] | None = None, *, channel: str | None = None,
+                       least: int = 1, deadline: float | None = None) -> tuple[int, ...]:
         """In-place sum of ``tensor`` (contiguous, 1-D) over the admitted members, or over those of them in ``members``
         (quorum indices, this worker's own among them: a ring over that subset alone, e.g. one region), neither
         counted as an exchange nor as a failure here (the caller decides and counts the bytes); returns the quorum
-        indices that took part. ``RuntimeError`` if one of them failed (``tensor`` is then undefined)."""
-        return self._all_reduce_sum(tensor, members=members)
+        indices that took part. ``RuntimeError`` if one of them failed or fewer than ``least`` are admitted
+        (``tensor`` is then undefined).
 
-    def _all_reduce_sum(self, tensor: Tensor, *, least: int = 1,
-                        members: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        Args:
+            channel: a ring on that channel's own gloo tags (:data:`CHANNELS`), never gloo's all-reduce.
+            deadline: ``time.monotonic()`` by which it must be done (default: ``gossip_timeout`` from now).
+        """
+        if channel is not None and channel not in CHANNELS:
+            raise ValueError(f"channel must be one of {sorted(CHANNELS)} or None, got {channel!r}")
+        return self._all_reduce_sum(tensor, least=least, members=members, channel=channel, deadline=deadline)
+
+    def _all_reduce_sum(self, tensor: Tensor, *, least: int = 1, members: tuple[int, ...] | None = None,
+                        channel: str | None = None, deadline: float | None = None) -> tuple[int, ...]:
         """Sum ``tensor`` in place over the admitted members (those in ``members`` if given); returns them.
         ``RuntimeError`` when fewer than ``least`` are admitted (a mean over this worker alone is no average: it
         must not pass for one)."""
@@ -327,16 +341,19 @@ class ElasticTransport:
                                "needed): the others were refused or did not attest in time")
         if len(ring) <= 1:
             return ring
-        if self.message_auth is None and members is None and len(ring) == quorum.size:
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        if self.message_auth is None and members is None and channel is None and len(ring) == quorum.size:
             options = AllreduceOptions()
             options.reduceOp = ReduceOp.SUM
-            self.membership.process_group.allreduce([tensor], options).wait(timedelta(seconds=self.timeout))
+            self.membership.process_group.allreduce([tensor], options).wait(
+                timedelta(seconds=max(0.001, deadline - time.monotonic())))
         else:
+            chunk, tag = CHANNELS[channel] if channel is not None else (_RING_CHUNK, _RING_TAG)
             ring_all_reduce_sum(self.membership.process_group, tensor, ring=ring, rank=quorum.index,
-                                deadline=time.monotonic() + self.timeout, authenticator=self.message_auth,
+                                deadline=deadline, authenticator=self.message_auth,
                                 use=context("all-reduce", quorum.quorum_id, *quorum.members, self._digest,
-                                            self._collectives),
-                                tags=(self.gloo_tag(_RING_CHUNK), self.gloo_tag(_RING_TAG)))
+                                            self._collectives, channel or "ring"),
+                                tags=(self.gloo_tag(chunk), self.gloo_tag(tag)))
         return ring
 
 

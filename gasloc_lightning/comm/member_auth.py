@@ -129,7 +129,7 @@ class MemberCheck:
                                       *self.admitted)).digest()
 
 
-TAG_SPAN = 8  # gloo tags one agreement uses: tag_base(...) + 0 .. TAG_SPAN - 1
+TAG_SPAN = 16  # gloo tags one agreement uses: tag_base(...) + 0 .. TAG_SPAN - 1 (comm/elastic_transport.py lists them)
 _TAG_FLOOR, _TAG_SLOTS = 1 << 24, 1 << 26  # clear of torchft's PGTransport tags (1, 2, 3 + i); below 2**31
 
 

@@ -123,7 +123,10 @@ class ElasticTwoLevelStrategy(ElasticGASLoCStrategy):
     # ------------------------------------------------------------------ regions, at every quorum
     @override
     def _meet_lineages(self) -> None:
+        merges = self._lineage.merges
         super()._meet_lineages()
+        if self._lineage.merges != merges:  # the sides' region and cross states differ: copy one per region
+            self._settled = False
         self._settle_regions()
 
     def _settle_regions(self) -> None:
@@ -134,13 +137,11 @@ class ElasticTwoLevelStrategy(ElasticGASLoCStrategy):
         if is_final(quorum.max_step) or not quorum.usable or quorum.size <= 1:
             return  # the end-of-fit average (or no exchange) follows: no round is trained in this quorum
         if self._regions is None or self._regions.transport is not self._transport:
-            self._regions = ElasticRegions(self._transport, self._region)
+            self._regions = ElasticRegions(self._transport, self._region, known=self._topology.regions.names)
         try:
-            view = self._regions.learn(self._settled)
-        except Exception as error:  # noqa: BLE001 - a member died while the quorum formed: no exchange this round
+            view = self._regions.learn(self._settled, least=max(2, self._min_workers))
+        except ElasticCollectiveError as error:  # a member died or wrote outside its slot: no exchange this round
             log.warning("regions not learned worker=%s: %s (a local round)", self.membership.name, error)
-            self._transport.failed_collectives += 1
-            self._transport.error = self._transport.error or error
             self._settled = False
             return
         if view.needs_copy:
@@ -155,18 +156,19 @@ class ElasticTwoLevelStrategy(ElasticGASLoCStrategy):
             params.copy_(self._two_level.region_start.detach())
             self.layout.scatter(live)
             self._settled = True
-            log.info("took region %s's state worker=%s source=%s", self._region, self.membership.name,
-                     self.quorum.names[view.source(view.region_of(self.quorum.index))])
+            source = view.source(view.region_of(self.quorum.index))
+            if source != self.quorum.index:
+                log.info("took region %s's state worker=%s source=%s", self._region, self.membership.name,
+                         self.quorum.names[source])
         self._view = view
 
     @override
     def _on_replicas_averaged(self) -> None:
-        """A lineage merge or the end-of-fit average: the averaged point is every region's new start, and the next
-        quorum's regions copy one member's state (the sides' cross states differ)."""
+        """A lineage merge or the end-of-fit average: the averaged point is every region's new start (after a merge
+        the regions then copy one member's state: :meth:`_meet_lineages`)."""
         if self._two_level is not None:
             params, _ = self.layout.split(self.layout.read())
             self._two_level.region_start.data.copy_(params)
-        self._settled = False
 
     # ------------------------------------------------------------------ the round
     @override
@@ -177,7 +179,9 @@ class ElasticTwoLevelStrategy(ElasticGASLoCStrategy):
         self._guard_local_point(message, two.region_start.detach())
         params, _ = self.layout.split(message)
         two.pseudo_gradient(params)  # params now hold Delta_i
-        if view is not None:
+        if view is None:  # a round without the region: this worker's region point is its own until the next copy
+            self._settled = False
+        else:
             own = self._transport.receive_buffer(0)
             own.copy_(message)
             try:
@@ -190,9 +194,22 @@ class ElasticTwoLevelStrategy(ElasticGASLoCStrategy):
                 self._settled = False
         params.copy_(two.region_step(params))
         t = self.quorum.max_step  # identical on every member
-        if view is not None and view.num_regions > 1 and self._rule.is_cross_round(t):
+        if view is not None and view.num_regions > 1 and self._rule.is_cross_round(t) and self._crosses_with(view):
             params.copy_(self._cross(view, t))
         self.layout.scatter(message)
+
+    def _crosses_with(self, view: QuorumRegions) -> bool:
+        """Whether the region topology has a graph for the regions present (every member decides alike): a topology
+        of fixed size, or one that needs more regions, skips the crossing and says so."""
+        if self._rule.cross_mean:
+            return True
+        try:
+            self._topology.region_topology.check_world_size(view.num_regions)
+        except ValueError as error:
+            log.warning("no crossing round=%d: the region topology has no graph for %d regions (%s)",
+                        self.round_index, view.num_regions, error)
+            return False
+        return True
 
     def _cross(self, view: QuorumRegions, round_index: int) -> torch.Tensor:
         two = self._two_level
@@ -202,7 +219,8 @@ class ElasticTwoLevelStrategy(ElasticGASLoCStrategy):
                 self._regions.cross_mean_(destination.copy_(u))
             else:
                 region = view.region_of(self.quorum.index)
-                weights = self._topology.region_topology.mixing_weights(region, view.num_regions, round_index)
+                crossing = round_index // self._rule.cross_every  # the region graph's time: one draw per crossing
+                weights = self._topology.region_topology.mixing_weights(region, view.num_regions, crossing)
                 self._regions.cross_gossip(view, u, weights, destination, round_index)
             if not all_finite(destination):
                 raise ElasticCollectiveError("the crossing's mix is not finite (a member sent non-finite values)")
