@@ -136,6 +136,10 @@ def test_the_launcher_gives_each_worker_its_region_and_refuses_what_the_elastic_
                                                                "elastic.method=diloco"])
         with pytest.raises(ValueError, match="elastic.method=gasloc"):
             check_elastic(diloco)
+        nowhere = compose(config_name="elastic/app", overrides=[*COMMON, *ELASTIC, "topology=two_level",
+                                                                "topology.regions=null"])
+        with pytest.raises(ValueError, match="topology: two_level needs regions"):  # at the launcher, not per worker
+            check_elastic(nowhere)
 
 
 class _Transport:
