@@ -154,7 +154,7 @@ class _Transport:
         self.membership = SimpleNamespace(quorum=SimpleNamespace(index=index, size=size))
         self.rank, self.timeout, self.counters = index, 1.0, TrafficCounters()
         self.took_part, self.add = took_part, add
-        self.failed_collectives = self.unauthentic_messages = 0
+        self.failed_collectives = self.failed_exchanges = self.unauthentic_messages = 0
         self.error = None
 
     def all_reduce_sum(self, tensor, members=None, *, channel=None, least=1, deadline=None):
@@ -175,6 +175,7 @@ def test_a_region_sum_over_fewer_than_its_members_or_forged_control_slots_fail_a
     assert state[0].tolist() == [8.0, 8.0, 8.0] and alone.failed_collectives == 1  # not zeroed: kept, counted
     with pytest.raises(ElasticCollectiveError):
         ElasticRegions(alone, "eu").region_mean_(view, torch.full((3,), 8.0))
+    assert alone.failed_exchanges == 1  # the round's exchange, where the live view counts them
     forged = torch.zeros(2, 2, dtype=torch.int64)
     forged[0, 0] = 5  # another member wrote into member 0's slot
     writer = _Transport(0, 2, took_part=(0, 1), add=forged.view(-1))

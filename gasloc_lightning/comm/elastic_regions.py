@@ -222,12 +222,16 @@ class ElasticRegions:
         return failed
 
     # ------------------------------------------------------------------ moves
-    def _failed(self, what: str, error: Exception) -> ElasticCollectiveError:
-        """Count a failed collective (once) and say what failed."""
+    def _failed(self, what: str, error: Exception, round_exchange: bool = False) -> ElasticCollectiveError:
+        """Count a failure once, where the transport counts its own: a round's exchange (the region mean, a crossing's
+        gather) in ``failed_exchanges``, the rest in ``failed_collectives``; and say what failed."""
         transport = self.transport
         if isinstance(error, UnauthenticMessageError):
             transport.unauthentic_messages += 1
-        transport.failed_collectives += 1
+        if round_exchange:
+            transport.failed_exchanges += 1
+        else:
+            transport.failed_collectives += 1
         transport.error = transport.error or error
         return ElasticCollectiveError(f"{what} failed: {error}")
 
@@ -241,7 +245,8 @@ class ElasticRegions:
             if set(ring) != set(members):
                 raise RuntimeError(f"only {len(ring)} of the region's {len(members)} members took part")
         except Exception as error:
-            raise self._failed(f"the region's {channel} all-reduce over {len(members)} members", error) from error
+            raise self._failed(f"the region's {channel} all-reduce over {len(members)} members", error,
+                               round_exchange=channel in ("mean", "gather")) from error
         volume = ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), len(ring))
         transport.counters.bytes_sent += volume
         transport.counters.bytes_received += volume

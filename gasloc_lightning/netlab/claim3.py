@@ -37,6 +37,12 @@ METHODS = {  # name: (folder, overrides)
         "strategy=gasloc", "topology=one_peer", "overlap=true", "strategy.outer_momentum=0.7"]),
     "streaming diloco (F=4, overlap, int4)": ("streaming", [
         "strategy=diloco", "strategy.fragments=4", "strategy.overlap=true", "strategy.message_codec=int4"]),
+    # issue 31: the two levels, the lab's sites as the regions (each region mean inside a site, crossings on the link)
+    "two-level gasloc (K=4, delayed, int4)": ("two_level", [
+        "strategy=two_level", "topology=two_level", "topology.cross_every=4", "topology.cross_overlap=true",
+        "topology.cross_codec=int4"]),
+    "hierarchical diloco (K=4, int4)": ("hierarchical", [
+        "strategy=two_level", "topology=hierarchical", "topology.cross_every=4", "topology.cross_codec=int4"]),
 }
 
 
