@@ -311,8 +311,7 @@ class Scenario:
 
     def target(self, diloco_run: dict) -> tuple[float, float]:
         """Plain DiLoCo's (loss, simulated time) at the target step: what every method must reach."""
-        _, loss, sim_time = max((p for p in diloco_run["trace"] if p[0] <= self.target_step), key=lambda p: p[0])
-        return loss, sim_time
+        return loss_at(diloco_run["trace"], self.target_step)
 
     def score(self, run: dict, target: tuple[float, float]) -> dict:
         reached = time_to_reach(run["trace"], target[0])
@@ -405,6 +404,12 @@ class Scenario:
                 results[method]["seeds"][str(seed)] = {**self.score(run, target), "target_loss": target[0],
                                                        "diloco_time": target[1]}
         return summarised(results)
+
+
+def loss_at(trace: list, step: int) -> tuple[float, float]:
+    """(loss, simulated time) of a trace's last validation at or before ``step``."""
+    _, loss, sim_time = max((p for p in trace if p[0] <= step), key=lambda p: p[0])
+    return loss, sim_time
 
 
 def run_label(entry: dict) -> str:

@@ -23,7 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
-from multicloud import CLOCK_ONLY, DILOCO_FAMILY, Scenario, SharedRuns
+from multicloud import CLOCK_ONLY, DILOCO_FAMILY, Scenario, SharedRuns, loss_at
 from sim_runs import time_to_reach
 
 
@@ -40,12 +40,6 @@ class RecordedRuns(SharedRuns):
 
 def _cut(trace: list, steps: int) -> list:
     return [point for point in trace if point[0] <= steps]
-
-
-def _target(trace: list, step: int) -> tuple[float, float]:
-    """Plain DiLoCo's (loss, time) at its last validation at or before ``step``."""
-    _, loss, sim_time = max((p for p in trace if p[0] <= step), key=lambda p: p[0])
-    return loss, sim_time
 
 
 def horizon(out: Path, workers: int, short_steps: int, inner_steps: int = 10) -> dict[str, dict[str, dict]]:
@@ -79,12 +73,11 @@ def horizon(out: Path, workers: int, short_steps: int, inner_steps: int = 10) ->
         if "diloco" not in traces:
             continue
         diloco = traces["diloco"][1]
-        targets = {"whole": (_target(diloco, scenario["target_step"]), diloco),
-                   "short": (_target(diloco, 2 * short_steps // 3), _cut(diloco, short_steps))}
+        targets = {"whole": loss_at(diloco, scenario["target_step"]), "short": loss_at(diloco, 2 * short_steps // 3)}
         rows: dict[str, dict] = {}
         for method, (label, trace) in traces.items():
             row: dict = {"label": label}
-            for horizon_name, ((loss, reference), _) in targets.items():
+            for horizon_name, (loss, reference) in targets.items():
                 seen = trace if horizon_name == "whole" else _cut(trace, short_steps)
                 reached = time_to_reach(seen, loss)
                 row[horizon_name] = None if reached is None else reached / reference

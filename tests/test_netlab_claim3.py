@@ -79,6 +79,7 @@ def test_every_method_composes_in_the_lab_and_the_two_level_ones_take_the_sites_
     """Each method's command composes as gasloc-netlab composes it (train mode, two_clusters), and a two-level one
     gets the lab's sites as its regions (its region means inside a site, its crossings on the shaped link)."""
     from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
 
     import gasloc_lightning.app.netlab as netlab_app
     from app_utils import CONF
@@ -87,14 +88,8 @@ def test_every_method_composes_in_the_lab_and_the_two_level_ones_take_the_sites_
     overrides = [*claim3.BASE, *claim3.METHODS[name][1], "seed=0", "trainer.max_steps=10"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="netlab/app", overrides=overrides)
-    plan = plan_lab(instantiate_network(cfg), workers=8, bandwidth_scale=0.002)
+    plan = plan_lab(instantiate(cfg.network), workers=8, bandwidth_scale=0.002)
     regions = netlab_app.region_overrides(cfg, plan, overrides)
     assert bool(regions) == ("topology=two_level" in overrides or "topology=hierarchical" in overrides)
     if regions:
         assert regions == ["topology.regions=[0,0,0,0,1,1,1,1]"]
-
-
-def instantiate_network(cfg):
-    from hydra.utils import instantiate
-
-    return instantiate(cfg.network)

@@ -894,7 +894,7 @@ def worker_config(cfg: DictConfig, worker: int, lighthouse: str, output_dir: str
             strategy.pop("outer_momentum", None)  # DiLoCo's 0.9 inside a region
     elif elastic.method == "gasloc":
         strategy["_target_"] = "gasloc_lightning.strategies.elastic.ElasticGASLoCStrategy"
-        strategy["topology"] = run.strategy.get("topology", run.topology)
+        strategy["topology"] = topology
     else:
         strategy["_target_"] = "gasloc_lightning.strategies.elastic.ElasticDiLoCoStrategy"
         if strategy.get("outer_momentum") is None:

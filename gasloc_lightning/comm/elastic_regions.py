@@ -51,11 +51,18 @@ from gasloc_lightning.comm.message_auth import TAG_BYTES, context, tag_bytes, ta
 from gasloc_lightning.comm.ring import UnauthenticMessageError, wait_all
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
-__all__ = ["ElasticRegions", "QuorumRegions", "region_key"]
+__all__ = ["ElasticRegions", "QuorumRegions", "check_region_label", "region_key"]
 
 # Gloo tag offsets of the shard exchange (the others: comm/elastic_transport.py).
 _SHARD, _SHARD_TAG = 6, 7
 _KEY_LIMIT = 1 << 52  # keys travel in float64-exact int64 slots
+
+
+def check_region_label(label: Hashable) -> Hashable:
+    """A region label as workers declare it: a non-empty name or an int."""
+    if isinstance(label, bool) or not isinstance(label, (int, str)) or label == "":
+        raise ValueError(f"region must be a non-empty name or an int, got {label!r}")
+    return label
 
 
 def region_key(label: Hashable) -> int:
@@ -131,13 +138,11 @@ class ElasticRegions:
     """
 
     def __init__(self, transport: ElasticTransport, label: Hashable, known: Sequence[Hashable] = ()) -> None:
-        if isinstance(label, bool) or not isinstance(label, (int, str)) or label == "":
-            raise ValueError(f"region must be a non-empty name or an int, got {label!r}")
-        self.transport, self.label, self.key = transport, label, region_key(label)
+        self.transport, self.label = transport, check_region_label(label)
+        self.key = region_key(label)
         self._order = {region_key(name): position for position, name in enumerate(known)}
         self.bytes_region = 0.0
         self.bytes_cross = 0.0
-        self._received: Tensor | None = None
 
     def level_bytes(self) -> dict[str, float]:
         """Bytes this worker sent at each level, so far (the round callback logs them)."""
@@ -159,8 +164,8 @@ class ElasticRegions:
         except Exception as error:
             raise self._failed("the regions' control all-reduce", error) from error
         outside = [index for index in range(quorum.size) if index not in ring]
-        if (not torch.equal(slots[quorum.index], own) or bool(slots[outside].any()) or bool((slots[list(ring), 0] <= 0).any())
-                or not set(slots[:, 1].tolist()) <= {0, 1}):
+        if (not torch.equal(slots[quorum.index], own) or bool(slots[outside].any())
+                or bool((slots[list(ring), 0] <= 0).any()) or not set(slots[:, 1].tolist()) <= {0, 1}):
             error = RuntimeError("the regions' control slots are not what the members wrote (a member wrote outside "
                                  "its own slot)")
             raise self._failed("the regions' control all-reduce", error)
@@ -199,8 +204,9 @@ class ElasticRegions:
     def cross_gossip(self, regions: QuorumRegions, u: Tensor, weights: Mapping[int, float], out: Tensor,
                      round_index: int) -> list[int]:
         """``out = sum_B W_R[A, B] u_B`` for this worker's region A, from the region weights ``weights``
-        (paired region index -> w, as a topology's ``mixing_weights``; A's own is the rest), shard-parallel (module docstring). Returns the quorum indices whose
-        shard did not arrive (their weight stayed on this region's own shard). :class:`ElasticCollectiveError` if
+        (paired region index -> w, as a topology's ``mixing_weights``; A's own is the rest), shard-parallel (module
+        docstring). Returns the quorum indices whose shard did not arrive (their weight stayed on this region's own
+        shard). :class:`ElasticCollectiveError` if
         the gather inside the region fails (``out`` is then undefined). One deadline covers the exchange and the
         gather: a member whose exchange waited for a hung peer still meets its region's gather in time."""
         transport = self.transport
@@ -223,16 +229,9 @@ class ElasticRegions:
 
     # ------------------------------------------------------------------ moves
     def _failed(self, what: str, error: Exception, round_exchange: bool = False) -> ElasticCollectiveError:
-        """Count a failure once, where the transport counts its own: a round's exchange (the region mean, a crossing's
-        gather) in ``failed_exchanges``, the rest in ``failed_collectives``; and say what failed."""
-        transport = self.transport
-        if isinstance(error, UnauthenticMessageError):
-            transport.unauthentic_messages += 1
-        if round_exchange:
-            transport.failed_exchanges += 1
-        else:
-            transport.failed_collectives += 1
-        transport.error = transport.error or error
+        """Count a failure once, as the transport counts its own (a round's exchange: the region mean, a crossing's
+        gather), and say what failed."""
+        self.transport.count_failure(error, round_exchange=round_exchange)
         return ElasticCollectiveError(f"{what} failed: {error}")
 
     def _region_sum(self, tensor: Tensor, members: tuple[int, ...], channel: str, deadline: float | None = None
@@ -262,16 +261,17 @@ class ElasticRegions:
         admitted = transport.admitted()
         buffers = {peer: torch.empty_like(shard) for peer in peers}
         tags_in = {peer: torch.zeros(TAG_BYTES, dtype=torch.uint8) for peer in peers}
+        leaves = auth.leaves(shard) if auth is not None and peers else None  # hashed once for every peer
         works: dict[int, list] = {}
         for peer in sorted(peers):
             if peer not in admitted:
                 continue
             try:
                 works[peer] = [pg.recv([buffers[peer]], peer, transport.gloo_tag(_SHARD)),
-                               pg.send([shard.contiguous()], peer, transport.gloo_tag(_SHARD))]
+                               pg.send([shard], peer, transport.gloo_tag(_SHARD))]
                 if auth is not None:
                     works[peer].append(pg.recv([tags_in[peer]], peer, transport.gloo_tag(_SHARD_TAG)))
-                    tag = tag_tensor(auth.tag(shard.contiguous(), self._use(round_index, me=quorum.index, to=peer)))
+                    tag = tag_tensor(auth.seal(leaves, self._use(round_index, me=quorum.index, to=peer)))
                     works[peer].append(pg.send([tag], peer, transport.gloo_tag(_SHARD_TAG)))
             except Exception as error:  # noqa: BLE001 - an unconfigured group raises AssertionError
                 works[peer] = []
@@ -282,7 +282,6 @@ class ElasticRegions:
                                                                                           "unconfigured)")
             if failure is None and auth is not None and not auth.verify(
                     buffers[peer], self._use(round_index, me=peer, to=quorum.index), tag_bytes(tags_in[peer])):
-                transport.unauthentic_messages += 1
                 failure = UnauthenticMessageError("the shard's tag failed (dropped, not mixed in)")
             if failure is None:
                 received[peer] = buffers[peer]
@@ -291,8 +290,7 @@ class ElasticRegions:
                 transport.counters.bytes_received += shard.numel() * shard.element_size()
             else:
                 failed.append(peer)
-                transport.failed_exchanges += 1
-                transport.error = transport.error or failure
+                transport.count_failure(failure, round_exchange=True)
         return received, failed
 
     def _use(self, round_index: int, *, me: int, to: int) -> bytes:

@@ -290,13 +290,7 @@ class ElasticTransport:
         try:
             ring = self._all_reduce_sum(tensor, least=max(2, getattr(self.membership, "min_workers", 1)))
         except Exception as error:
-            if isinstance(error, UnauthenticMessageError):
-                self.unauthentic_messages += 1
-            if round_exchange:
-                self.failed_exchanges += 1
-            else:
-                self.failed_collectives += 1
-            self.error = self.error or error
+            self.count_failure(error, round_exchange=round_exchange)
             raise ElasticCollectiveError(f"all-reduce over {self.world_size} workers failed: "
                                          f"{_first_line(error)}") from error
         tensor.div_(len(ring))
@@ -305,6 +299,18 @@ class ElasticTransport:
         self.counters.bytes_received += volume
         self.counters.exchanges += 1
         return tensor
+
+    def count_failure(self, error: Exception, *, round_exchange: bool) -> None:
+        """Count one failed collective: a round's exchange in :attr:`failed_exchanges`, another in
+        :attr:`failed_collectives` (a tag that failed also in :attr:`unauthentic_messages`); the round's first error
+        is kept for the commit."""
+        if isinstance(error, UnauthenticMessageError):
+            self.unauthentic_messages += 1
+        if round_exchange:
+            self.failed_exchanges += 1
+        else:
+            self.failed_collectives += 1
+        self.error = self.error or error
 
     def all_reduce_sum(self, tensor: Tensor, members: tuple[int, ...] | None = None, *, channel: str | None = None,
                        least: int = 1, deadline: float | None = None) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ import torch
 from typing_extensions import override
 
 from gasloc_lightning.algorithm.two_level import TwoLevelRound
-from gasloc_lightning.comm.elastic_regions import ElasticRegions, QuorumRegions
+from gasloc_lightning.comm.elastic_regions import ElasticRegions, QuorumRegions, check_region_label
 from gasloc_lightning.comm.elastic_transport import ElasticCollectiveError
 from gasloc_lightning.comm.flat import all_finite
 from gasloc_lightning.comm.run_end import is_final
@@ -73,8 +73,7 @@ class ElasticTwoLevelStrategy(ElasticGASLoCStrategy):
                 raise ValueError(f"region: worker {worker_id!r} has no entry in the topology's region list (of "
                                  f"{regions.world_size}): give it its region (strategy.region=NAME)")
             region = regions.names[regions.region_of(worker_id)]
-        if isinstance(region, bool) or not isinstance(region, (int, str)) or region == "":
-            raise ValueError(f"region must be a non-empty name or an int, got {region!r}")
+        check_region_label(region)
         super().__init__(topology=topology, outer_lr=outer_lr, outer_momentum=rule.region_momentum, **kwargs)
         self._rule, self._region = rule, region
         self._two_level: TwoLevelRound | None = None
