@@ -126,7 +126,7 @@ def test_changed_content_gets_a_new_cache(tmp_path, text_folder):
 
 
 def _build_in_child(cache_dir: str, barrier) -> tuple[bool, dict]:
-    """Runs in a spawned process: wait for the others, then prepare and set up at once."""
+    """Runs in a forked process: wait for the others, then prepare and set up at once."""
     data = ByteDataModule(cache_dir=cache_dir, block_size=64, batch_size=4)
     barrier.wait()
     data.prepare_data()
@@ -139,9 +139,11 @@ def _child_entry(cache_dir: str, barrier, results) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)  # each spawned child imports torch and Lightning (about 5 s of CPU)
-def test_concurrent_builds_from_four_processes_leave_one_valid_cache(tmp_path):
-    context = multiprocessing.get_context("spawn")
+@pytest.mark.timeout(300)
+def test_concurrent_builds_from_four_processes_leave_one_valid_cache(tmp_path, threads_safe_to_fork):
+    # Forked, not spawned: four processes with their own file descriptors and locks are what the cache's filelock
+    # is for, and a spawned child would import torch and Lightning again first (about 45 s of the suite's time).
+    context = multiprocessing.get_context("fork")
     barrier, results = context.Barrier(4), context.Queue()
     arguments = (str(tmp_path / "cache"), barrier, results)
     processes = [context.Process(target=_child_entry, args=arguments) for _ in range(4)]

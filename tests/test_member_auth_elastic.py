@@ -68,6 +68,7 @@ class Intruder:
         self.numel, self.loaded, self.quorums = numel, [], []
         self.buffers: list[torch.Tensor] = []  # every receive it posted: NaN until a message lands
         self.works: list = []
+        self.closed_groups = 0  # quorums whose members had closed the group before the intruder could post
         self.error: BaseException | None = None
         self.membership = ElasticMembership(
             lighthouse=lighthouse, worker_id=9, min_workers=2, state_dict=lambda: {"x": torch.zeros(1)},
@@ -103,8 +104,14 @@ class Intruder:
             return
         for peer in range(quorum.size):
             if peer != quorum.index:
-                self.buffers.append(torch.full((self.numel,), math.nan))
-                self.works.append(pg.recv([self.buffers[-1]], peer, GOSSIP_TAG))
+                buffer = torch.full((self.numel,), math.nan)
+                try:
+                    work = pg.recv([buffer], peer, GOSSIP_TAG)
+                except RuntimeError:  # the members already left this group (their deadline passed): gloo refuses
+                    self.closed_groups += 1  # to post on a closed pair, and nothing can reach the intruder here
+                    return
+                self.buffers.append(buffer)
+                self.works.append(work)
         # It never sees the members' attestations (their key names follow the secret), so it waits out its own
         # deadline: a short one brings it back to the lighthouse before the members, whose next quorum then forms
         # as soon as they ask (a long one held each of their quorums for it, up to the lighthouse's join timeout).

@@ -204,7 +204,12 @@ def _train_both(case: Case, tmp_path: Path) -> Outcome:
 LOSSY_TOLERANCE = 1e-3
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# Both tests of a case read one training of it (_OUTCOMES, per process): under xdist a group per case keeps them on
+# one worker, or each worker that runs one of them trains the case again.
+CASE_PARAMS = [pytest.param(case, marks=pytest.mark.xdist_group(f"sim_equivalence_{case}")) for case in sorted(CASES)]
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_the_simulator_reaches_the_strategys_parameters(case, tmp_path, fresh_port):
     outcome = _outcome(case, tmp_path)
     tolerance = LOSSY_TOLERANCE if CASES[case].lossy else 1e-5
@@ -215,7 +220,7 @@ def test_the_simulator_reaches_the_strategys_parameters(case, tmp_path, fresh_po
     assert outcome.consensus_error <= tolerance, case
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_the_simulator_counts_the_strategys_bytes_and_simulated_time(case, tmp_path, fresh_port):
     outcome = _outcome(case, tmp_path)
     assert outcome.rounds == (STEPS // H, STEPS // H), case
