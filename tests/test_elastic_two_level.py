@@ -72,7 +72,9 @@ def test_without_churn_the_elastic_two_level_round_ends_on_the_simulators_loss(t
     steps = 60  # 12 rounds, 6 crossings (K = 2)
     budget = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "topology=two_level",
               "topology.cross_every=2", f"topology.regions={regions}"]
-    rows = _elastic(budget, tmp_path / "elastic", cache_dir)
+    # Every quorum of all four, as the simulator's: with the default majority (3) a worker that starts late on a
+    # loaded machine misses the first quorum, and the run is one with a join (measured: 3.8% off under strace).
+    rows = _elastic([*budget, "elastic.min_workers=4"], tmp_path / "elastic", cache_dir)
     assert all(row["exit_code"] == 0 and row["final_step"] == steps for row in rows), rows
     assert len({row["val_loss"] for row in rows}) == 1  # one consensus
     with open(tmp_path / "elastic" / "worker_0" / "csv" / "metrics.csv", newline="") as handle:

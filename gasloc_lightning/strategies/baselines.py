@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from gasloc_lightning.strategies.launcher import release_process_group_in_child
+from gasloc_lightning.strategies.launcher import release_process_group
 from gasloc_lightning.strategies.local_steps import LocalStepsStrategy
 from gasloc_lightning.comm.transport import ring_all_reduce_bytes
 
@@ -34,13 +34,13 @@ log = logging.getLogger(__name__)
 
 
 class DenseDDPStrategy(DDPStrategy):
-    """Lightning's ``DDPStrategy``, unchanged, except that its spawned or forked workers destroy their process
-    group at teardown (see :func:`~gasloc_lightning.strategies.launcher.release_process_group_in_child`)."""
+    """Lightning's ``DDPStrategy``, unchanged, except that its process group is destroyed before the interpreter's
+    shutdown (see :func:`~gasloc_lightning.strategies.launcher.release_process_group`)."""
 
     @override
     def teardown(self) -> None:
         super().teardown()
-        release_process_group_in_child()
+        release_process_group()
 
 
 def is_dense_ddp(strategy: Any) -> bool:

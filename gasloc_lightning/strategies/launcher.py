@@ -6,8 +6,8 @@
 - :func:`exit_with_parent` makes a worker exit when the process that launched it is gone (it was
   killed, say): Linux's parent-death signal where available, and a watchdog thread on the parent's
   pid everywhere (on the launcher's own pid for a fork server's child, whose parent is the server).
-- :func:`release_process_group_in_child` destroys a spawned or forked worker's process group before it
-  exits.
+- :func:`release_process_group` destroys the process group before the interpreter's shutdown: at once in a
+  spawned or forked worker, at exit elsewhere (torchrun's ranks).
 - :class:`ShardedResultsLauncher` is Lightning's spawn/fork launcher for sharded workers: the weights it
   hands back to the launching process are the whole model, gathered from rank 0's worker, not rank 0's shard.
 
@@ -17,6 +17,7 @@ stops the others within a few seconds.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import multiprocessing
@@ -217,12 +218,26 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
-def release_process_group_in_child() -> None:
-    """In a spawned or forked worker (which exits right after its teardown): destroy the process group now.
+def release_process_group() -> None:
+    """Destroy the process group before the interpreter's shutdown, where gloo's threads were seen to abort the
+    process ("terminate called without an active exception"; about one in six runs of a 2-rank DDP job on a loaded
+    2-core machine, and a torchrun rank of the suite's). Destroying the group is local, so it cannot hang.
 
-    Left to the interpreter's shutdown, gloo's threads were seen to abort the worker ("terminate called
-    without an active exception"; about one in six runs of a 2-rank DDP job on a loaded 2-core machine).
-    Destroying the group is local, so it cannot hang. A no-op in the launching process.
+    - In a spawned or forked worker (which exits right after its teardown): now.
+    - Anywhere else (torchrun's ranks, a script re-executed by the subprocess launcher, the launching process): at
+      exit, once, so that the group stays usable after ``fit`` (a ``trainer.test`` in the same script).
     """
-    if multiprocessing.parent_process() is not None and dist.is_available() and dist.is_initialized():
+    global _RELEASE_AT_EXIT
+    if multiprocessing.parent_process() is not None:
+        _destroy_process_group()
+    elif not _RELEASE_AT_EXIT:
+        _RELEASE_AT_EXIT = True
+        atexit.register(_destroy_process_group)
+
+
+_RELEASE_AT_EXIT = False
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -53,7 +53,7 @@ from gasloc_lightning.strategies.launcher import (
     ShardedResultsLauncher,
     StoppingSubprocessLauncher,
     exit_with_parent,
-    release_process_group_in_child,
+    release_process_group,
 )
 from gasloc_lightning.strategies.lightning_compat import _set_num_threads_if_needed, move_sigterm_check
 from gasloc_lightning.strategies.round_clock import RoundClock
@@ -798,7 +798,7 @@ class LocalStepsStrategy(DDPStrategy):
         if isinstance(self._launcher, ShardedResultsLauncher) and self._fit_finished_normally():
             self._launcher.keep(self.full_state_dict())  # before the process group is released below
         super().teardown()
-        release_process_group_in_child()
+        release_process_group()
 
 
     def _fit_finished_normally(self) -> bool:
