@@ -180,7 +180,7 @@ def test_one_of_four_killed_for_good_survivors_finish_close_to_the_no_failure_ru
     # Three workers instead of four for the last 90 of 150 steps: less data per round, and the two runs are not
     # bitwise equal before the kill either (a different peer order once a quorum changes). Measured: 3.4% above the
     # clean run (val 3.870 against 3.741, a fresh clone under strace), which a 3% bound refused now and then. A
-    # survivor that stopped training at the kill or took a broken point is far outside 8%.
+    # survivor that stopped at the kill fails the final_step check above; this bound is for a model gone wrong.
     clean_loss = clean["workers"][0]["val_loss"]
     assert abs(survivors[0]["val_loss"] / clean_loss - 1) < 0.08, (survivors[0]["val_loss"], clean_loss)
     _assert_nothing_left(clean, tmp_path / "clean")

@@ -205,6 +205,7 @@ def test_torchrun_launch(tmp_path, fresh_port):
     assert result.returncode == 0, result.stderr[-3000:]
     # Destroyed at exit, before the interpreter's shutdown: left to it, gloo's threads can abort a rank (SIGABRT,
     # "terminate called without an active exception": seen once in this test on a loaded machine).
+    assert result.stdout.count("process group alive after fit: True") == 2, result.stdout[-3000:]
     assert result.stdout.count("process group alive at exit: False") == 2, result.stdout[-3000:]
     records = load_ranks(tmp_path, 2)
     assert all(r["round_index"] == 3 for r in records)  # 150 steps / H = 50

@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable
 
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _destroy_dist_connection  # private: re-check on upgrades
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
@@ -221,23 +222,23 @@ def _watch_parent(parent: int) -> None:
 def release_process_group() -> None:
     """Destroy the process group before the interpreter's shutdown, where gloo's threads were seen to abort the
     process ("terminate called without an active exception"; about one in six runs of a 2-rank DDP job on a loaded
-    2-core machine, and a torchrun rank of the suite's). Destroying the group is local, so it cannot hang.
+    2-core machine, and a torchrun rank of the suite's).
 
     - In a spawned or forked worker (which exits right after its teardown): now.
     - Anywhere else (torchrun's ranks, a script re-executed by the subprocess launcher, the launching process): at
-      exit, once, so that the group stays usable after ``fit`` (a ``trainer.test`` in the same script).
+      exit, once, so that the group stays usable after ``fit`` (a ``trainer.test`` in the same script). The handler
+      is Lightning's own, which it registers for NCCL groups only (Ctrl-C is ignored while it runs).
+
+    Destroying is local: it waits for nothing but this process's queued work (a failed run's exchange still in
+    flight: at most its collective timeout, as at the interpreter's shutdown).
     """
     global _RELEASE_AT_EXIT
     if multiprocessing.parent_process() is not None:
-        _destroy_process_group()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     elif not _RELEASE_AT_EXIT:
         _RELEASE_AT_EXIT = True
-        atexit.register(_destroy_process_group)
+        atexit.register(_destroy_dist_connection)
 
 
 _RELEASE_AT_EXIT = False
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -21,3 +21,4 @@ if __name__ == "__main__":
         callbacks=[RecordParameters(out_dir)], default_root_dir=out_dir,
     )
     trainer.fit(TinyRegressor())
+    print(f"process group alive after fit: {dist.is_initialized()}", flush=True)  # usable until exit
