@@ -555,6 +555,9 @@ class ElasticRun:
                 if pending or waiting:
                     raise RuntimeError(f"every worker has exited with chaos events left: "
                                        f"{[str(e) for e in waiting + pending]}")
+                # One more look: the look above may predate the workers' last records (their final val loss), and
+                # the last status line is the run's end.
+                self.live.update({record.worker: _as_seen(record) for record in self.workers})
                 return
             if time.monotonic() - self._started > self.elastic.timeout_s:
                 raise TimeoutError(f"gasloc-elastic: the run exceeded elastic.timeout_s={self.elastic.timeout_s:g}s")
