@@ -543,7 +543,6 @@ class ElasticRun:
             self._resume_stalled(step)
             self._restart_lighthouse_when_due()
             self._report_quorum(step)
-            self.live.update({record.worker: _as_seen(record) for record in self.workers})
             self._reap()
             for event in [e for e in waiting if not self.workers[e.worker].running]:
                 waiting.remove(event)
@@ -551,13 +550,13 @@ class ElasticRun:
             self._stop_latecomers()
             if self._on_poll is not None:
                 self._on_poll(self)
+            # After the reap: once every worker has exited, this look sees their last records (their final val
+            # loss), so the last status line is the run's end.
+            self.live.update({record.worker: _as_seen(record) for record in self.workers})
             if not any(record.running for record in self.workers):
                 if pending or waiting:
                     raise RuntimeError(f"every worker has exited with chaos events left: "
                                        f"{[str(e) for e in waiting + pending]}")
-                # One more look: the look above may predate the workers' last records (their final val loss), and
-                # the last status line is the run's end.
-                self.live.update({record.worker: _as_seen(record) for record in self.workers})
                 return
             if time.monotonic() - self._started > self.elastic.timeout_s:
                 raise TimeoutError(f"gasloc-elastic: the run exceeded elastic.timeout_s={self.elastic.timeout_s:g}s")
